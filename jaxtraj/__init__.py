@@ -1,0 +1,62 @@
+"""jaxtraj: a JAX-native trajectory collector for embodied reinforcement learning.
+
+Join the two halves of every action chunk by key, accumulate them in fixed-capacity
+device buffers, and flush Actor-ready trajectories.
+"""
+
+from jaxtraj.accumulator import materialize
+from jaxtraj.collector import TrajectoryCollector
+from jaxtraj.errors import CollectorError, ErrorCode, raise_if_error
+from jaxtraj.joiner import (
+    CollectorState,
+    add_env,
+    add_envs,
+    add_policies,
+    add_policy,
+    init,
+    slot_complete,
+    source_complete,
+)
+from jaxtraj.plan import TrajectoryPlan
+from jaxtraj.rollout import flush, ready
+from jaxtraj.types import (
+    EnvPart,
+    EnvTransition,
+    PolicyInput,
+    PolicyOutput,
+    PolicyPart,
+    Trajectory,
+    TrajectoryKey,
+    TrajectorySource,
+    TrajectoryStep,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CollectorError",
+    "CollectorState",
+    "EnvPart",
+    "EnvTransition",
+    "ErrorCode",
+    "PolicyInput",
+    "PolicyOutput",
+    "PolicyPart",
+    "Trajectory",
+    "TrajectoryCollector",
+    "TrajectoryKey",
+    "TrajectoryPlan",
+    "TrajectorySource",
+    "TrajectoryStep",
+    "add_env",
+    "add_envs",
+    "add_policies",
+    "add_policy",
+    "flush",
+    "init",
+    "materialize",
+    "raise_if_error",
+    "ready",
+    "slot_complete",
+    "source_complete",
+]

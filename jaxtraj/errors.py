@@ -1,0 +1,106 @@
+"""Error codes recorded by the pure functions and the exception the facade raises.
+
+Under ``jit`` nothing can raise on a traced value, so the pure functions of
+:mod:`jaxtraj.joiner` and :mod:`jaxtraj.rollout` leave the state's data untouched
+for an offending part and record an :class:`ErrorCode` (the first one wins) with
+the offending key in the state. :func:`raise_if_error` turns that record into a
+:class:`CollectorError` on the host; the facade raises the same error before it
+ever calls the device.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import numpy as np
+
+
+class ErrorCode(enum.IntEnum):
+    """Why a part or a flush was rejected. ``OK`` is zero."""
+
+    OK = 0
+    UNKNOWN_SOURCE = 1
+    EPOCH_OUT_OF_RANGE = 2
+    CHUNK_OUT_OF_RANGE = 3
+    STALE_STEP = 4
+    FUTURE_STEP = 5
+    BATCH_SIZE_MISMATCH = 6
+    ROWS_OUT_OF_RANGE = 7
+    DUPLICATE = 8
+    MISSING_INITIAL_TRANSITION = 9
+    UNEXPECTED_INITIAL_TRANSITION = 10
+    MISSING_FINAL_VALUES = 11
+    MISSING_NEXT_OBS = 12
+    NON_FINITE = 13
+    INCOMPLETE_SCOPE = 14
+    STRUCTURE_MISMATCH = 15
+
+
+_REASONS = {
+    ErrorCode.UNKNOWN_SOURCE: "unknown source: (env_rank, stage_id) is not one this collector owns",
+    ErrorCode.EPOCH_OUT_OF_RANGE: "epoch_id outside capacity [0, num_epochs)",
+    ErrorCode.CHUNK_OUT_OF_RANGE: "chunk_id outside capacity [0, num_chunks)",
+    ErrorCode.STALE_STEP: "stale step_id: older than the source's current training step",
+    ErrorCode.FUTURE_STEP: "future step_id: newer than the source's current training step",
+    ErrorCode.BATCH_SIZE_MISMATCH: "source batch_size differs from the plan's batch_size",
+    ErrorCode.ROWS_OUT_OF_RANGE: "fragment rows [offset, offset + rows) fall outside [0, batch_size)",
+    ErrorCode.DUPLICATE: "duplicate: these rows of this half were already received",
+    ErrorCode.MISSING_INITIAL_TRANSITION: "chunk 0's env half must carry initial_transition",
+    ErrorCode.UNEXPECTED_INITIAL_TRANSITION: "only chunk 0's env half may carry initial_transition",
+    ErrorCode.MISSING_FINAL_VALUES: (
+        "the last chunk's env half must carry final_values (the bootstrap value V(s_T))"
+    ),
+    ErrorCode.MISSING_NEXT_OBS: (
+        "collect_transitions needs the last chunk's env half to carry the next_obs override"
+    ),
+    ErrorCode.NON_FINITE: "non-finite rewards or values",
+    ErrorCode.INCOMPLETE_SCOPE: "flush of an incomplete scope",
+    ErrorCode.STRUCTURE_MISMATCH: "part structure, shape or dtype differs from the plan's example",
+}
+
+
+def reason(code: int) -> str:
+    """The human-readable reason for an error code."""
+    return _REASONS.get(ErrorCode(int(code)), "ok")
+
+
+class CollectorError(Exception):
+    """A part or a flush was rejected. Nothing already collected was changed.
+
+    Attributes:
+      key: the offending ``TrajectoryKey`` as a tuple
+        ``(step_id, epoch_id, env_rank, stage_id, chunk_id)``, or ``None``.
+      code: the :class:`ErrorCode`.
+    """
+
+    def __init__(self, key: Any, code: ErrorCode | int, detail: str = ""):
+        self.key = None if key is None else tuple(int(k) for k in key)
+        self.code = ErrorCode(int(code))
+        msg = reason(self.code)
+        if self.key is not None:
+            names = ("step_id", "epoch_id", "env_rank", "stage_id", "chunk_id")
+            msg = f"key({', '.join(f'{n}={v}' for n, v in zip(names, self.key))}): {msg}"
+        if detail:
+            msg = f"{msg} ({detail})"
+        super().__init__(msg)
+
+
+def raise_if_error(state: Any) -> None:
+    """Raise the :class:`CollectorError` recorded in a collector state, if any.
+
+    A jitted loop carries the state and checks once, outside ``jit``::
+
+        state = jax.jit(loop)(state)
+        jaxtraj.raise_if_error(state)   # one host sync
+
+    ``state.error_count`` counts every rejected part; the error raised is the first.
+    """
+    code = int(np.asarray(state.error_code))
+    if code != ErrorCode.OK:
+        count = int(np.asarray(state.error_count))
+        raise CollectorError(
+            np.asarray(state.error_key).tolist(),
+            code,
+            f"{count} part(s) or flush(es) rejected under jit; the first is reported",
+        )

@@ -1,0 +1,339 @@
+"""Join the two halves of every chunk by key, in fixed-capacity device buffers.
+
+A pair of pure functions in the manner of optax and flashbax: :func:`init` allocates
+every buffer once from the plan and one example of each half; :func:`add_policy` and
+:func:`add_env` write one half (or a fragment of it) into its slot and return the new
+state; :func:`add_policies` / :func:`add_envs` write a stack of parts in one call.
+
+Buffers have leading axes ``[S, E, T, B]`` (sources, epochs, chunks, rows); a
+per-row coverage mask for each half says what has arrived, so a slot is complete
+when both halves cover all ``B`` rows, whatever the arrival order or fragmentation.
+Jit the functions with the state donated and an insert writes only the part's rows
+in place::
+
+    add = jax.jit(jaxtraj.add_policy, static_argnums=0, donate_argnums=1)
+    state = add(plan, state, part)
+
+A rejected part leaves the state's data unchanged and records an error code (see
+:mod:`jaxtraj.errors`); the state stays usable and flushes what it had.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax import lax
+
+from jaxtraj import slots
+from jaxtraj.errors import CollectorError, ErrorCode
+from jaxtraj.plan import TrajectoryPlan
+from jaxtraj.types import EnvPart, EnvTransition, PolicyPart
+
+PyTree = Any
+
+
+@struct.dataclass
+class CollectorState:
+    """The collector's state: fixed-capacity buffers and what has arrived.
+
+    Attributes:
+      policy: ``PolicyPart`` payload (``source=None``), leaves ``[S, E, T, B, ...]``.
+      env: ``EnvPart`` payload: ``transition``, ``next_rlt_obs`` as in the example,
+        ``final_values`` when values are used, ``next_obs`` with
+        ``collect_transitions``; leaves ``[S, E, T, B, ...]``.
+      initial: chunk zero's boundary flags, leaves ``[S, E, B, ...]``.
+      policy_rows, env_rows: ``[S, E, T, B]`` bool, rows received per half.
+      next_obs_given: ``[S, E, T, B]`` bool, rows with an explicit ``next_obs``
+        (``collect_transitions`` only).
+      sources: ``[S, 2]`` int32, ``(env_rank, stage_id)`` of each owned source.
+      step: ``[S]`` int32, each source's current training step.
+      error_code, error_key, error_count: the first rejection under ``jit``, its key,
+        and how many parts were rejected.
+    """
+
+    policy: PyTree
+    env: PyTree
+    initial: EnvTransition
+    policy_rows: jax.Array
+    env_rows: jax.Array
+    next_obs_given: jax.Array | None
+    sources: jax.Array
+    step: jax.Array
+    error_code: jax.Array
+    error_key: jax.Array
+    error_count: jax.Array
+
+    @property
+    def num_sources(self) -> int:
+        return self.sources.shape[0]
+
+
+def _alloc(example: PyTree, lead: tuple[int, ...]) -> PyTree:
+    def zeros(x):
+        x = np.asarray(x) if not hasattr(x, "dtype") else x
+        return jnp.zeros(lead + tuple(np.shape(x)[1:]), jax.dtypes.canonicalize_dtype(x.dtype))
+
+    return jax.tree.map(zeros, example)
+
+
+def _env_layout(plan: TrajectoryPlan, policy_example: PolicyPart, env_example: EnvPart) -> EnvPart:
+    """The env payload the buffers hold, built from the examples."""
+    final = env_example.final_values
+    if final is None:
+        final = policy_example.output.prev_values
+    next_obs = None
+    if plan.collect_transitions:
+        next_obs = env_example.next_obs if env_example.next_obs is not None else policy_example.obs
+    return EnvPart(
+        source=None,
+        transition=env_example.transition,
+        next_obs=next_obs,
+        initial_transition=None,
+        final_values=final,
+        next_rlt_obs=env_example.next_rlt_obs,
+    )
+
+
+def init(
+    plan: TrajectoryPlan,
+    policy_example: PolicyPart,
+    env_example: EnvPart,
+    *,
+    sources: Any = None,
+    step_id: int = 0,
+) -> CollectorState:
+    """Allocate a collector state from the plan and one example of each half.
+
+    Only the examples' structure, trailing shapes and dtypes are used (their row
+    count and values are not). Works under ``jax.eval_shape`` and ``jax.vmap``.
+
+    Args:
+      plan: the static configuration.
+      policy_example: any ``PolicyPart`` of the run.
+      env_example: any ``EnvPart`` of the run.
+      sources: ``[S, 2]`` int ``(env_rank, stage_id)`` pairs this state owns; default
+        every source of the plan. Give one source per state to ``vmap`` over sources.
+      step_id: the first training step.
+
+    Returns:
+      A :class:`CollectorState` with all buffers zeroed and nothing received.
+    """
+    if sources is None:
+        sources = np.asarray(plan.default_sources(), np.int32)
+    sources = jnp.asarray(sources, jnp.int32).reshape(-1, 2)
+    S, E, T, B = sources.shape[0], plan.num_epochs, plan.num_chunks, plan.batch_size
+    env_layout = _env_layout(plan, policy_example, env_example)
+    return CollectorState(
+        policy=_alloc(policy_example.replace(source=None), (S, E, T, B)),
+        env=_alloc(env_layout, (S, E, T, B)),
+        initial=_alloc(env_example.transition.boundary(), (S, E, B)),
+        policy_rows=jnp.zeros((S, E, T, B), bool),
+        env_rows=jnp.zeros((S, E, T, B), bool),
+        next_obs_given=jnp.zeros((S, E, T, B), bool) if plan.collect_transitions else None,
+        sources=sources,
+        step=jnp.full((S,), step_id, jnp.int32),
+        error_code=jnp.zeros((), jnp.int32),
+        error_key=jnp.zeros((5,), jnp.int32),
+        error_count=jnp.zeros((), jnp.int32),
+    )
+
+
+
+def policy_structure(state: CollectorState, part: PolicyPart, key: Any = None) -> int:
+    """Check a policy half against the buffers (trace time); return its row count."""
+    if not isinstance(part, PolicyPart):
+        raise CollectorError(key, ErrorCode.STRUCTURE_MISMATCH, f"not a PolicyPart: {type(part)}")
+    return slots.check_payload("PolicyPart", part.replace(source=None), state.policy, 3, key)
+
+
+def env_structure(state: CollectorState, part: EnvPart, key: Any = None) -> tuple[int, bool, bool, bool]:
+    """Check an env half against the buffers (trace time).
+
+    Returns ``(rows, has_initial, has_final, has_next_obs)``: its row count and which
+    optional boundary fields it carries that the buffers retain.
+    """
+    if not isinstance(part, EnvPart):
+        raise CollectorError(key, ErrorCode.STRUCTURE_MISMATCH, f"not an EnvPart: {type(part)}")
+    layout = state.env
+    payload = part.replace(source=None, initial_transition=None, final_values=None, next_obs=None)
+    rows = slots.check_payload(
+        "EnvPart", payload, layout.replace(final_values=None, next_obs=None), 3, key
+    )
+    has_final = part.final_values is not None
+    if has_final:
+        if layout.final_values is None:
+            raise CollectorError(
+                key,
+                ErrorCode.STRUCTURE_MISMATCH,
+                "EnvPart.final_values given, but the plan's examples carry no values",
+            )
+        slots.check_payload("EnvPart.final_values", part.final_values, layout.final_values, 3, key)
+    # A next_obs override is part of the contract; it is only retained with collect_transitions.
+    has_next = part.next_obs is not None and layout.next_obs is not None
+    if has_next:
+        slots.check_payload("EnvPart.next_obs", part.next_obs, layout.next_obs, 3, key)
+    has_initial = part.initial_transition is not None
+    if has_initial:
+        slots.check_payload(
+            "EnvPart.initial_transition", part.initial_transition.boundary(), state.initial, 2, key
+        )
+    return rows, has_initial, has_final, has_next
+
+
+def _write(buffer: PyTree, data: PyTree, start: tuple, ok: jax.Array) -> PyTree:
+    """Write ``data`` (leaves ``[rows, ...]``) at ``start`` where ``ok``; cost ~ the part.
+
+    ``start`` indexes the leading axes ending with the row offset. Where not ok the
+    old rows are written back, so a rejected part changes nothing.
+    """
+
+    def one(buf, x):
+        lead = len(start) - 1
+        x = jnp.asarray(x, buf.dtype).reshape((1,) * lead + jnp.shape(x))
+        idx = tuple(start) + (0,) * (x.ndim - len(start))
+        old = lax.dynamic_slice(buf, idx, x.shape)
+        return lax.dynamic_update_slice(buf, jnp.where(ok, x, old), idx)
+
+    return jax.tree.map(one, buffer, data)
+
+
+def _key_vector(key) -> jax.Array:
+    return jnp.stack([jnp.asarray(k, jnp.int32) for k in key.fields()])
+
+
+def record_error(state: CollectorState, code: jax.Array, key) -> CollectorState:
+    """Record ``code`` (if non-zero) for ``key``: the first error wins; all are counted."""
+    first = (state.error_code == 0) & (code != 0)
+    return state.replace(
+        error_code=jnp.where(first, code, state.error_code),
+        error_key=jnp.where(first, _key_vector(key), state.error_key),
+        error_count=state.error_count + (code != 0).astype(jnp.int32),
+    )
+
+
+def _nonfinite(plan: TrajectoryPlan, part: Any) -> jax.Array:
+    if plan.nonfinite != "reject":
+        return jnp.asarray(False)
+    bad = [~jnp.all(jnp.isfinite(x)) for x in slots.finite_leaves(part)]
+    return jnp.any(jnp.stack(bad)) if bad else jnp.asarray(False)
+
+
+def _locate(state: CollectorState, part: Any):
+    """The part's source as int32 scalars, whether it is owned, and its index."""
+    src = part.source
+    as32 = lambda v: jnp.asarray(v, jnp.int32)  # noqa: E731
+    src = src.replace(
+        key=jax.tree.map(as32, src.key), batch_size=as32(src.batch_size), offset=as32(src.offset)
+    )
+    found, s = slots.locate(jnp, state.sources, src.key.env_rank, src.key.stage_id)
+    return src, found, s
+
+
+def _slot_checks(plan, state, src, rows, found, s, rows_mask):
+    """Key checks plus the duplicate check against ``rows_mask``; and the slot start."""
+    key = src.key
+    checks = slots.key_checks(jnp, plan, src, rows, found, state.step[s])
+    start = (s, key.epoch_id, key.chunk_id, src.offset)
+    dup = jnp.any(lax.dynamic_slice(rows_mask, start, (1, 1, 1, rows)))
+    checks.append((dup, ErrorCode.DUPLICATE))
+    return checks, start
+
+
+def add_policy(plan: TrajectoryPlan, state: CollectorState, part: PolicyPart) -> CollectorState:
+    """Write a policy half (or fragment) into its slot.
+
+    Args:
+      plan: the static plan (``jit`` static argument).
+      state: the collector state (donate it).
+      part: a :class:`PolicyPart`; its payload leaves are ``[rows, ...]``.
+
+    Returns:
+      The new state. A rejected part changes nothing but the error record.
+    """
+    payload = part.replace(source=None)
+    rows = policy_structure(state, part)
+    src, found, s = _locate(state, part)
+    checks, start = _slot_checks(plan, state, src, rows, found, s, state.policy_rows)
+    checks.append((_nonfinite(plan, part), ErrorCode.NON_FINITE))
+    code = slots.first_error(jnp, checks)
+    ok = code == 0
+    state = state.replace(
+        policy=_write(state.policy, payload, start, ok),
+        policy_rows=_write(state.policy_rows, jnp.ones((rows,), bool), start, ok),
+    )
+    return record_error(state, code, src.key)
+
+
+def add_env(plan: TrajectoryPlan, state: CollectorState, part: EnvPart) -> CollectorState:
+    """Write an env half (or fragment) into its slot.
+
+    Chunk zero must carry ``initial_transition``; the last chunk must carry
+    ``final_values`` when policy halves carry values, and ``next_obs`` with
+    ``collect_transitions``. ``next_obs`` elsewhere is an optional override.
+    """
+    layout = state.env
+    payload = part.replace(source=None, initial_transition=None, final_values=None, next_obs=None)
+    rows, has_initial, has_final, has_next = env_structure(state, part)
+    src, found, s = _locate(state, part)
+    checks, start = _slot_checks(plan, state, src, rows, found, s, state.env_rows)
+    needs_final = state.policy.output.prev_values is not None
+    checks += slots.env_checks(
+        jnp,
+        plan,
+        src.key.chunk_id,
+        has_initial=has_initial,
+        has_final=has_final,
+        has_next_obs=has_next or layout.next_obs is None,
+        needs_final=needs_final,
+    )
+    checks.append((_nonfinite(plan, part), ErrorCode.NON_FINITE))
+    code = slots.first_error(jnp, checks)
+    ok = code == 0
+
+    def fill(buf_leaf):
+        return jnp.zeros((rows,) + buf_leaf.shape[4:], buf_leaf.dtype)
+
+    written = payload.replace(
+        final_values=part.final_values if has_final else jax.tree.map(fill, layout.final_values),
+        next_obs=part.next_obs if has_next else jax.tree.map(fill, layout.next_obs),
+    )
+    state = state.replace(
+        env=_write(layout, written, start, ok),
+        env_rows=_write(state.env_rows, jnp.ones((rows,), bool), start, ok),
+    )
+    if state.next_obs_given is not None:
+        given = jnp.full((rows,), has_next, bool)
+        state = state.replace(next_obs_given=_write(state.next_obs_given, given, start, ok))
+    if has_initial:
+        initial_start = (s, src.key.epoch_id, src.offset)
+        state = state.replace(
+            initial=_write(state.initial, part.initial_transition.boundary(), initial_start, ok)
+        )
+    return record_error(state, code, src.key)
+
+
+def add_policies(plan: TrajectoryPlan, state: CollectorState, parts: PolicyPart) -> CollectorState:
+    """Write a stack of policy halves (leading axis ``N`` on every leaf) in one call.
+
+    Equivalent to ``N`` calls of :func:`add_policy` in order, in one dispatch.
+    """
+    return lax.scan(lambda st, p: (add_policy(plan, st, p), None), state, parts)[0]
+
+
+def add_envs(plan: TrajectoryPlan, state: CollectorState, parts: EnvPart) -> CollectorState:
+    """Write a stack of env halves (leading axis ``N``) in one call; see :func:`add_policies`."""
+    return lax.scan(lambda st, p: (add_env(plan, st, p), None), state, parts)[0]
+
+
+def slot_complete(state: CollectorState) -> jax.Array:
+    """``[S, E, T]`` bool: both halves cover every row of the slot."""
+    return jnp.all(state.policy_rows & state.env_rows, axis=-1)
+
+
+def source_complete(state: CollectorState) -> jax.Array:
+    """``[S]`` bool: every slot of the source's current training step is complete."""
+    return jnp.all(slot_complete(state), axis=(1, 2))

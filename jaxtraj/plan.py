@@ -1,0 +1,64 @@
+"""The static configuration of a collector."""
+
+from __future__ import annotations
+
+import dataclasses
+
+MODES = ("rollout", "pipeline", "lerobot")
+NONFINITE = ("reject", "allow")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrajectoryPlan:
+    """Sizes, mode and retention settings; static and hashable (a ``jit`` static argument).
+
+    Attributes:
+      num_chunks: ``T``, action chunks per rollout epoch.
+      num_epochs: ``E``, rollout epochs per training step.
+      batch_size: ``B``, environments per logical source.
+      num_env_ranks: environment workers; with ``num_stages`` this names the sources
+        ``(env_rank, stage_id)`` a collector owns by default.
+      num_stages: pipeline stages per environment worker.
+      mode: ``"rollout"`` (one ``Trajectory`` per source and training step),
+        ``"pipeline"`` or ``"lerobot"``.
+      collect_transitions: retain the resolved next observation of every step.
+        Off, it costs no memory.
+      nonfinite: ``"reject"`` parts whose rewards or values are not finite, or
+        ``"allow"`` them.
+      env_reward_weight: weight of the environment reward in ``compute_rewards``.
+      reward_model_weight: weight of ``EnvTransition.reward_model_output``.
+      queue_key: the queue key flushed rollout items are routed to.
+    """
+
+    num_chunks: int
+    num_epochs: int = 1
+    batch_size: int = 1
+    num_env_ranks: int = 1
+    num_stages: int = 1
+    mode: str = "rollout"
+    collect_transitions: bool = False
+    nonfinite: str = "reject"
+    env_reward_weight: float = 1.0
+    reward_model_weight: float = 1.0
+    queue_key: str = "default"
+
+    def __post_init__(self):
+        for name in ("num_chunks", "num_epochs", "batch_size", "num_env_ranks", "num_stages"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"TrajectoryPlan.{name} must be a positive int, got {value!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"TrajectoryPlan.mode must be one of {MODES}, got {self.mode!r}")
+        if self.nonfinite not in NONFINITE:
+            raise ValueError(
+                f"TrajectoryPlan.nonfinite must be one of {NONFINITE}, got {self.nonfinite!r}"
+            )
+
+    @property
+    def num_sources(self) -> int:
+        """Sources owned by default: ``num_env_ranks * num_stages``."""
+        return self.num_env_ranks * self.num_stages
+
+    def default_sources(self) -> list[tuple[int, int]]:
+        """``(env_rank, stage_id)`` of every default source, in source-index order."""
+        return [(r, s) for r in range(self.num_env_ranks) for s in range(self.num_stages)]

@@ -1,0 +1,403 @@
+"""The chunk data contract: immutable pytrees for keys, the two halves, steps and trajectories.
+
+One action chunk is produced in two halves. :class:`PolicyPart` comes from policy
+inference; :class:`EnvPart` from the environment. Both carry the same
+:class:`TrajectoryKey` inside a :class:`TrajectorySource`. Field-specific behaviour
+lives here, on the types (``EnvTransition.compute_rewards``,
+``TrajectoryStep.from_parts``, ``TrajectoryStep.apply_interventions``,
+``Trajectory.from_steps``), never in the joiner or the accumulator.
+
+Shapes (per part): ``B`` rows of the source batch (a fragment holds fewer), ``K``
+actions per chunk, ``A`` action dimensions. Every array leaf of a part's payload
+(everything but ``source``) has the rows as its leading axis. The step and
+trajectory functions are elementwise over any leading axes, so they apply to one
+part or to a whole buffer ``[E, T, B, ...]`` alike.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+Array = Any
+PyTree = Any
+
+
+@struct.dataclass
+class TrajectoryKey:
+    """Identity of one action chunk: ``(step_id, epoch_id, env_rank, stage_id, chunk_id)``.
+
+    Fields are integer scalars (Python ints on the host, ``int32`` arrays under
+    ``jit``; a leading axis when parts are stacked for a batched insert).
+    """
+
+    step_id: Any
+    epoch_id: Any
+    env_rank: Any
+    stage_id: Any
+    chunk_id: Any
+
+    def as_tuple(self) -> tuple[int, int, int, int, int]:
+        """The key as host ints (forces a sync if the fields are device arrays)."""
+        return tuple(int(np.asarray(v)) for v in self.fields())
+
+    def fields(self) -> tuple:
+        return (self.step_id, self.epoch_id, self.env_rank, self.stage_id, self.chunk_id)
+
+
+@struct.dataclass
+class TrajectorySource:
+    """A key plus which rows of the logical source batch a fragment holds.
+
+    Attributes:
+      key: the chunk's :class:`TrajectoryKey`.
+      batch_size: ``B``, rows of the whole logical source batch.
+      offset: first source row this fragment holds; it holds
+        ``[offset, offset + rows)`` where ``rows`` is its payload's leading size.
+    """
+
+    key: TrajectoryKey
+    batch_size: Any
+    offset: Any = 0
+
+
+def rows_of(payload: PyTree) -> int:
+    """Leading (row) size shared by every array leaf of a payload."""
+    sizes = {np.shape(leaf)[0] for leaf in jax.tree.leaves(payload) if np.ndim(leaf) > 0}
+    if len(sizes) != 1:
+        raise ValueError(f"payload leaves disagree on their leading (row) size: {sorted(sizes)}")
+    return sizes.pop()
+
+
+class _Fragmentable:
+    """``split`` / ``merge`` for parts whose payload follows the batch dimension."""
+
+    def split(self, sizes: Sequence[int]) -> list:
+        """Split into fragments of ``sizes`` rows, in row order.
+
+        Each fragment's ``source.offset`` is the original offset plus the rows
+        before it; ``batch_size`` and the key are unchanged.
+        """
+        payload = self.replace(source=None)
+        rows = rows_of(payload)
+        if sum(sizes) != rows or any(s <= 0 for s in sizes):
+            raise ValueError(f"split sizes {list(sizes)} must be positive and sum to {rows} rows")
+        out, start = [], 0
+        for size in sizes:
+            piece = jax.tree.map(lambda x, a=start, b=start + size: x[a:b], payload)
+            source = self.source.replace(offset=int(np.asarray(self.source.offset)) + start)
+            out.append(piece.replace(source=source))
+            start += size
+        return out
+
+    @classmethod
+    def merge(cls, fragments: Sequence) -> Any:
+        """Merge fragments of one key back into one part, whatever their order.
+
+        Raises ``ValueError`` if the fragments belong to different keys, overlap, or
+        leave a gap.
+        """
+        if not fragments:
+            raise ValueError("cannot merge an empty list of fragments")
+        keys = {f.source.key.as_tuple() for f in fragments}
+        if len(keys) != 1:
+            raise ValueError(f"fragments belong to different keys: {sorted(keys)}")
+        ordered = sorted(fragments, key=lambda f: int(np.asarray(f.source.offset)))
+        expect = int(np.asarray(ordered[0].source.offset))
+        for f in ordered:
+            off = int(np.asarray(f.source.offset))
+            if off != expect:
+                raise ValueError(f"fragments are not contiguous: expected offset {expect}, got {off}")
+            expect = off + rows_of(f.replace(source=None))
+        payloads = [f.replace(source=None) for f in ordered]
+        merged = jax.tree.map(lambda *xs: np.concatenate([np.asarray(x) for x in xs]), *payloads)
+        return merged.replace(source=ordered[0].source)
+
+
+@struct.dataclass
+class PolicyOutput:
+    """What policy inference produced for one chunk.
+
+    Attributes:
+      actions: ``[B, K, A]`` (or ``[B, K*A]``) the sampled action chunk.
+      prev_logprobs: behaviour-policy log-probabilities, usually shaped like ``actions``.
+      prev_values: ``[B]`` (or ``[B, 1]``) value of the pre-action state ``V(s_t)``.
+      versions: ``[B]`` (or per action) model version that produced the chunk.
+      forward_inputs: dict of model inputs retained for the training forward pass,
+        leaves ``[B, ...]``.
+      bootstrap_values: optional ``[B]`` values the policy computed for a boundary
+        observation alongside its actions; retained as given.
+    """
+
+    actions: Array
+    prev_logprobs: Array | None = None
+    prev_values: Array | None = None
+    versions: Array | None = None
+    forward_inputs: PyTree | None = None
+    bootstrap_values: Array | None = None
+
+
+@struct.dataclass
+class PolicyPart(_Fragmentable):
+    """The policy half of a chunk: source, pre-action observation, ``PolicyOutput``."""
+
+    source: TrajectorySource
+    obs: PyTree
+    output: PolicyOutput
+
+
+@struct.dataclass
+class EnvTransition:
+    """Environment outcome of one executed chunk.
+
+    Attributes:
+      rewards: ``[B]`` chunk-level or ``[B, K]`` action-level rewards.
+      terminations: ``[B]`` or ``[B, K]`` bool, episode ended naturally.
+      truncations: ``[B]`` or ``[B, K]`` bool, episode cut by a time limit.
+      dones: ``[B]`` or ``[B, K]`` bool; when absent, ``terminations | truncations``.
+      intervene_actions: ``[B, K*A]`` (or ``[B, K, A]``) actions a human executed.
+      intervene_flags: ``[B, K]`` bool, which actions of the chunk were intervened.
+      reward_model_output: reward-model score shaped like ``rewards``.
+    """
+
+    rewards: Array | None = None
+    terminations: Array | None = None
+    truncations: Array | None = None
+    dones: Array | None = None
+    intervene_actions: Array | None = None
+    intervene_flags: Array | None = None
+    reward_model_output: Array | None = None
+
+    def resolved_dones(self) -> Array | None:
+        """``dones`` if given, else ``terminations | truncations`` (``None`` if neither)."""
+        if self.dones is not None:
+            return self.dones
+        if self.terminations is not None and self.truncations is not None:
+            return jnp.logical_or(self.terminations, self.truncations)
+        return self.terminations if self.terminations is not None else self.truncations
+
+    def boundary(self) -> "EnvTransition":
+        """Only the boundary flags, as ``initial_transition`` stores them."""
+        return EnvTransition(
+            terminations=self.terminations, truncations=self.truncations, dones=self.dones
+        )
+
+    def compute_rewards(
+        self, *, env_reward_weight: float = 1.0, reward_model_weight: float = 1.0
+    ) -> Array | None:
+        """Training rewards: ``w_env * rewards + w_rm * reward_model_output``.
+
+        Without a reward-model signal the environment rewards are returned as they are.
+        """
+        if self.rewards is None:
+            return None
+        if self.reward_model_output is None:
+            return self.rewards
+        return env_reward_weight * self.rewards + reward_model_weight * jnp.asarray(
+            self.reward_model_output, jnp.result_type(self.rewards)
+        )
+
+
+@struct.dataclass
+class EnvPart(_Fragmentable):
+    """The environment half of a chunk.
+
+    Attributes:
+      source: the chunk's :class:`TrajectorySource`.
+      transition: the :class:`EnvTransition` of the executed chunk.
+      next_obs: explicit post-action observation, set only when a terminal or
+        decoupled boundary overrides the next ``PolicyInput.obs``.
+      initial_transition: chunk zero only: the boundary flags of the state before
+        the first action (``d_before``).
+      final_values: ``[B]`` value of the post-action observation from terminal
+        inference. The last chunk's is the bootstrap value ``V(s_T)``.
+      next_rlt_obs: optional compact RLT features of the next state.
+    """
+
+    source: TrajectorySource
+    transition: EnvTransition
+    next_obs: PyTree | None = None
+    initial_transition: EnvTransition | None = None
+    final_values: Array | None = None
+    next_rlt_obs: PyTree | None = None
+
+
+@struct.dataclass
+class PolicyInput:
+    """What Env sends to Rollout: the observation, a new key, and the previous chunk's ``EnvPart``."""
+
+    obs: PyTree
+    source: TrajectorySource
+    env_part: EnvPart | None = None
+
+
+@struct.dataclass
+class TrajectoryStep:
+    """One complete step: a joined policy/env pair resolved into training fields.
+
+    Elementwise over any leading axes: the accumulator resolves a whole buffer of
+    pairs ``[E, T, B, ...]`` in one call.
+    """
+
+    obs: PyTree
+    actions: Array
+    prev_logprobs: Array | None = None
+    prev_values: Array | None = None
+    versions: Array | None = None
+    forward_inputs: PyTree | None = None
+    bootstrap_values: Array | None = None
+    rewards: Array | None = None
+    dones: Array | None = None
+    terminations: Array | None = None
+    truncations: Array | None = None
+    intervene_flags: Array | None = None
+    final_values: Array | None = None
+    next_obs: PyTree | None = None
+
+    @classmethod
+    def from_parts(
+        cls,
+        policy: PolicyPart,
+        env: EnvPart,
+        *,
+        env_reward_weight: float = 1.0,
+        reward_model_weight: float = 1.0,
+    ) -> "TrajectoryStep":
+        """Resolve one joined pair (or a buffer of pairs) into a step.
+
+        Rewards come from ``EnvTransition.compute_rewards``; executed human actions
+        replace the policy's through :meth:`apply_interventions`.
+        """
+        out, tr = policy.output, env.transition
+        step = cls(
+            obs=policy.obs,
+            actions=out.actions,
+            prev_logprobs=out.prev_logprobs,
+            prev_values=out.prev_values,
+            versions=out.versions,
+            forward_inputs=out.forward_inputs,
+            bootstrap_values=out.bootstrap_values,
+            rewards=tr.compute_rewards(
+                env_reward_weight=env_reward_weight, reward_model_weight=reward_model_weight
+            ),
+            dones=tr.resolved_dones(),
+            terminations=tr.terminations,
+            truncations=tr.truncations,
+            final_values=env.final_values,
+            next_obs=env.next_obs,
+        )
+        if tr.intervene_actions is not None:
+            step = step.apply_interventions(tr.intervene_actions, tr.intervene_flags)
+        return step
+
+    def apply_interventions(self, intervene_actions: Array, intervene_flags: Array) -> "TrajectoryStep":
+        """Replace executed actions element-wise per action of the chunk.
+
+        ``intervene_flags [..., K]`` selects, per action, the human action from
+        ``intervene_actions`` (same size as ``actions``) over the policy's; the flags
+        are recorded per action element in ``intervene_flags`` shaped like
+        ``actions``.
+        """
+        lead = intervene_flags.shape
+        actions = self.actions.reshape(lead + (-1,))
+        expert = jnp.asarray(intervene_actions).reshape(lead + (-1,)).astype(actions.dtype)
+        flags = jnp.broadcast_to(intervene_flags[..., None], actions.shape)
+        executed = jnp.where(flags, expert, actions).reshape(self.actions.shape)
+        return self.replace(actions=executed, intervene_flags=flags.reshape(self.actions.shape))
+
+
+def _with_boundary(first: Array | None, rest: Array | None, axis: int) -> Array | None:
+    if first is None or rest is None:
+        return None
+    return jnp.concatenate([jnp.expand_dims(first, axis), rest], axis=axis)
+
+
+@struct.dataclass
+class Trajectory:
+    """The temporal layout of one training step of one source.
+
+    ``E`` epochs, ``T`` chunks, ``B`` environments::
+
+        obs, actions, prev_logprobs, versions, forward_inputs: [E, T, B, ...]
+        rewards:        [E, T, B] or [E, T, B, K]
+        dones, terminations, truncations: [E, T+1, B(, K)]  index 0: d_before
+        prev_values:    [E, T+1, B(, 1)]                   index T: V(s_final)
+        next_obs:       [E, T, B, ...] (collect_transitions only)
+
+    ``step_id``, ``env_rank`` and ``stage_id`` name the source and step.
+    """
+
+    obs: PyTree
+    actions: Array
+    prev_logprobs: Array | None
+    prev_values: Array | None
+    versions: Array | None
+    forward_inputs: PyTree | None
+    bootstrap_values: Array | None
+    rewards: Array | None
+    dones: Array | None
+    terminations: Array | None
+    truncations: Array | None
+    intervene_flags: Array | None
+    next_obs: PyTree | None
+    step_id: Array
+    env_rank: Array
+    stage_id: Array
+
+    @classmethod
+    def from_steps(
+        cls,
+        steps: TrajectoryStep,
+        initial: EnvTransition,
+        *,
+        next_obs_given: Array | None = None,
+        step_id: Any = 0,
+        env_rank: Any = 0,
+        stage_id: Any = 0,
+    ) -> "Trajectory":
+        """Materialise the temporal layout from steps ``[E, T, B, ...]``.
+
+        Args:
+          steps: resolved steps with leading axes ``[E, T]``.
+          initial: chunk zero's ``initial_transition`` per epoch, leaves ``[E, B, ...]``.
+          next_obs_given: ``[E, T, B]`` bool, where ``steps.next_obs`` holds an explicit
+            override; elsewhere the next step's ``obs`` is the next observation. Only
+            used when ``steps.next_obs`` is retained (``collect_transitions``).
+        """
+        prev_values = None
+        if steps.prev_values is not None and steps.final_values is not None:
+            prev_values = jnp.concatenate(
+                [steps.prev_values, steps.final_values[:, -1:].astype(steps.prev_values.dtype)],
+                axis=1,
+            )
+        next_obs = None
+        if steps.next_obs is not None:
+
+            def resolve(override, obs):
+                following = jnp.concatenate([obs[:, 1:], override[:, -1:]], axis=1)
+                mask = next_obs_given.reshape(next_obs_given.shape + (1,) * (obs.ndim - 3))
+                return jnp.where(mask, override, following)
+
+            next_obs = jax.tree.map(resolve, steps.next_obs, steps.obs)
+        return cls(
+            obs=steps.obs,
+            actions=steps.actions,
+            prev_logprobs=steps.prev_logprobs,
+            prev_values=prev_values,
+            versions=steps.versions,
+            forward_inputs=steps.forward_inputs,
+            bootstrap_values=steps.bootstrap_values,
+            rewards=steps.rewards,
+            dones=_with_boundary(initial.resolved_dones(), steps.dones, 1),
+            terminations=_with_boundary(initial.terminations, steps.terminations, 1),
+            truncations=_with_boundary(initial.truncations, steps.truncations, 1),
+            intervene_flags=steps.intervene_flags,
+            next_obs=next_obs,
+            step_id=jnp.asarray(step_id, jnp.int32),
+            env_rank=jnp.asarray(env_rank, jnp.int32),
+            stage_id=jnp.asarray(stage_id, jnp.int32),
+        )

@@ -1,0 +1,72 @@
+"""Small deterministic parts shared by the tests (one set of shapes: few compiles)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxtraj import (
+    EnvPart,
+    EnvTransition,
+    PolicyOutput,
+    PolicyPart,
+    TrajectoryKey,
+    TrajectoryPlan,
+    TrajectorySource,
+)
+
+T, E, B, K, A = 3, 2, 4, 2, 3
+PLAN = TrajectoryPlan(num_chunks=T, num_epochs=E, batch_size=B, num_env_ranks=2)
+
+
+def key(chunk, epoch=0, env_rank=0, step=0, stage=0):
+    return TrajectoryKey(step, epoch, env_rank, stage, chunk)
+
+
+def policy_part(chunk, epoch=0, env_rank=0, step=0, stage=0, rows=B):
+    """A full policy half whose values encode its key, so mix-ups show."""
+    tag = 1000 * step + 100 * env_rank + 10 * epoch + chunk
+    r = np.arange(rows, dtype=np.float32)[:, None]
+    return PolicyPart(
+        source=TrajectorySource(key(chunk, epoch, env_rank, step, stage), B, 0),
+        obs={
+            "image": (np.full((rows, 2, 2, 3), tag % 251, np.uint8)),
+            "state": (tag + r + np.zeros((rows, 5), np.float32)),
+        },
+        output=PolicyOutput(
+            actions=tag + r[:, :, None] + np.arange(K * A, dtype=np.float32).reshape(1, K, A) / 10,
+            prev_logprobs=-(tag + r[:, :, None]) + np.zeros((rows, K, A), np.float32),
+            prev_values=(tag + np.arange(rows)).astype(np.float32) / 7,
+            versions=np.full((rows,), step, np.int32),
+            forward_inputs={"tokens": np.full((rows, 6), tag, np.int32)},
+        ),
+    )
+
+
+def env_part(chunk, epoch=0, env_rank=0, step=0, stage=0, rows=B, done_at=None):
+    """A full env half; ``done_at`` marks rows ``row % (T) == chunk`` done when set."""
+    tag = 1000 * step + 100 * env_rank + 10 * epoch + chunk
+    r = np.arange(rows)
+    dones = (r % T) == chunk if done_at is None else np.asarray(done_at)
+    initial = None
+    if chunk == 0:
+        z = np.zeros((rows,), bool)
+        initial = EnvTransition(terminations=(r % 2 == 1), truncations=z)
+    return EnvPart(
+        source=TrajectorySource(key(chunk, epoch, env_rank, step, stage), B, 0),
+        transition=EnvTransition(
+            rewards=(tag + r[:, None] + np.arange(K)).astype(np.float32),
+            terminations=dones,
+            truncations=np.zeros((rows,), bool),
+        ),
+        initial_transition=initial,
+        final_values=np.full((rows,), -tag, np.float32) if chunk == T - 1 or chunk == 1 else None,
+    )
+
+
+def all_parts(env_rank=0, step=0, stage=0):
+    out = []
+    for e in range(E):
+        for t in range(T):
+            out.append(policy_part(t, e, env_rank, step, stage))
+            out.append(env_part(t, e, env_rank, step, stage))
+    return out
