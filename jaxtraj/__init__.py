@@ -4,10 +4,11 @@ Join the two halves of every action chunk by key, accumulate them in fixed-capac
 device buffers, and flush Actor-ready trajectories.
 """
 
-from jaxtraj.accumulator import materialize
+from jaxtraj.accumulator import TrajectoryAccumulator, materialize
 from jaxtraj.collector import TrajectoryCollector
 from jaxtraj.errors import CollectorError, ErrorCode, raise_if_error
 from jaxtraj.joiner import (
+    ChunkJoiner,
     CollectorState,
     add_env,
     add_envs,
@@ -34,6 +35,7 @@ from jaxtraj.types import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "ChunkJoiner",
     "CollectorError",
     "CollectorState",
     "EnvPart",
@@ -43,6 +45,7 @@ __all__ = [
     "PolicyOutput",
     "PolicyPart",
     "Trajectory",
+    "TrajectoryAccumulator",
     "TrajectoryCollector",
     "TrajectoryKey",
     "TrajectoryPlan",

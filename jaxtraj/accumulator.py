@@ -8,6 +8,8 @@ layout with ``Trajectory.from_steps``; it never inspects the fields itself.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 
 from jaxtraj.joiner import CollectorState
@@ -40,3 +42,16 @@ def materialize(plan: TrajectoryPlan, state: CollectorState, s: jax.Array) -> Tr
         env_rank=state.sources[s, 0],
         stage_id=state.sources[s, 1],
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class TrajectoryAccumulator:
+    """The accumulator's pure functions bound to a plan (hashable, ``jit``-static)."""
+
+    plan: TrajectoryPlan
+
+    def steps(self, state: CollectorState, s: jax.Array) -> TrajectoryStep:
+        return source_steps(self.plan, state, s)
+
+    def materialize(self, state: CollectorState, s: jax.Array) -> Trajectory:
+        return materialize(self.plan, state, s)

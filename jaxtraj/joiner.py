@@ -20,6 +20,7 @@ A rejected part leaves the state's data unchanged and records an error code (see
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -337,3 +338,36 @@ def slot_complete(state: CollectorState) -> jax.Array:
 def source_complete(state: CollectorState) -> jax.Array:
     """``[S]`` bool: every slot of the source's current training step is complete."""
     return jnp.all(slot_complete(state), axis=(1, 2))
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkJoiner:
+    """The join's pure functions bound to a plan, for users who prefer an object.
+
+    ``ChunkJoiner(plan).add_policy(state, part)`` is ``add_policy(plan, state, part)``.
+    Hashable, so it can itself be a ``jit`` static argument::
+
+        joiner = jaxtraj.ChunkJoiner(plan)
+        state = joiner.init(policy_example, env_example)
+        add = jax.jit(joiner.add_policy, donate_argnums=0)
+    """
+
+    plan: TrajectoryPlan
+
+    def init(self, policy_example: PolicyPart, env_example: EnvPart, **kwargs) -> CollectorState:
+        return init(self.plan, policy_example, env_example, **kwargs)
+
+    def add_policy(self, state: CollectorState, part: PolicyPart) -> CollectorState:
+        return add_policy(self.plan, state, part)
+
+    def add_env(self, state: CollectorState, part: EnvPart) -> CollectorState:
+        return add_env(self.plan, state, part)
+
+    def add_policies(self, state: CollectorState, parts: PolicyPart) -> CollectorState:
+        return add_policies(self.plan, state, parts)
+
+    def add_envs(self, state: CollectorState, parts: EnvPart) -> CollectorState:
+        return add_envs(self.plan, state, parts)
+
+    slot_complete = staticmethod(slot_complete)
+    source_complete = staticmethod(source_complete)
