@@ -1,0 +1,196 @@
+"""Every row of DESIGN.md's bad-input table: a clear error naming the key and the
+reason, nothing changed, and the step still flushes to the same result."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from helpers import B, E, PLAN, T, all_parts, env_part, policy_part
+from test_core import assert_same, reference, snapshot
+
+import jaxtraj
+from jaxtraj import CollectorError, ErrorCode
+
+STEP = 1  # the collector is on step 1, so stale and future steps both exist
+
+
+def _frag(part, sizes, i):
+    return part.split(sizes)[i]
+
+
+def _with_offset(part, offset, batch_size=B):
+    return part.replace(source=part.source.replace(offset=offset, batch_size=batch_size))
+
+
+def _nan_rewards():
+    v = env_part(2, 1, step=STEP)
+    r = np.array(v.transition.rewards)
+    r[2, 0] = np.nan
+    return v.replace(transition=v.transition.replace(rewards=r))
+
+
+def _inf_value():
+    p = policy_part(1, 1, step=STEP)
+    vals = np.array(p.output.prev_values)
+    vals[0] = np.inf
+    return p.replace(output=p.output.replace(prev_values=vals))
+
+
+def _prefix_and_rest():
+    """Epoch 0 complete, epoch 1 chunk 1's env half only rows [0, 2): the collector
+    holds partial slots and a fragment when the bad part arrives."""
+    parts = all_parts(step=STEP)
+    env11 = env_part(1, 1, step=STEP)
+    prefix = [p for p in parts if int(p.source.key.epoch_id) == 0]
+    prefix.append(_frag(env11, [2, 2], 0))
+    rest = [p for p in parts if int(p.source.key.epoch_id) == 1 and p is not None]
+    rest = [p for p in rest if not (isinstance(p, jaxtraj.EnvPart) and int(p.source.key.chunk_id) == 1)]
+    rest.append(_frag(env11, [2, 2], 1))
+    return prefix, rest
+
+
+# (name, bad part factory, expected code, detectable under jit)
+CASES = [
+    ("same half twice", lambda: policy_part(0, 0, step=STEP), ErrorCode.DUPLICATE),
+    ("same fragment rows twice", lambda: _frag(env_part(1, 1, step=STEP), [2, 2], 0), ErrorCode.DUPLICATE),
+    ("overlapping fragment rows", lambda: _frag(env_part(1, 1, step=STEP), [1, 2, 1], 1), ErrorCode.DUPLICATE),
+    ("rows beyond batch_size", lambda: _with_offset(_frag(policy_part(0, 1, step=STEP), [2, 2], 0), 3), ErrorCode.ROWS_OUT_OF_RANGE),
+    ("negative offset", lambda: _with_offset(_frag(policy_part(0, 1, step=STEP), [2, 2], 0), -1), ErrorCode.ROWS_OUT_OF_RANGE),
+    ("batch_size differs", lambda: _with_offset(policy_part(0, 1, step=STEP), 0, B * 2), ErrorCode.BATCH_SIZE_MISMATCH),
+    ("chunk_id >= T", lambda: policy_part(T, 1, step=STEP), ErrorCode.CHUNK_OUT_OF_RANGE),
+    ("epoch_id >= E", lambda: policy_part(0, E, step=STEP), ErrorCode.EPOCH_OUT_OF_RANGE),
+    ("unknown env_rank", lambda: policy_part(0, 1, env_rank=7, step=STEP), ErrorCode.UNKNOWN_SOURCE),
+    ("unknown stage_id", lambda: env_part(2, 1, stage=1, step=STEP), ErrorCode.UNKNOWN_SOURCE),
+    ("stale step_id", lambda: policy_part(0, 1, step=STEP - 1), ErrorCode.STALE_STEP),
+    ("future step_id", lambda: env_part(0, 1, step=STEP + 1), ErrorCode.FUTURE_STEP),
+    ("chunk 0 without initial_transition", lambda: env_part(0, 1, step=STEP).replace(initial_transition=None), ErrorCode.MISSING_INITIAL_TRANSITION),
+    ("initial_transition off chunk 0", lambda: env_part(2, 1, step=STEP).replace(initial_transition=env_part(0).initial_transition), ErrorCode.UNEXPECTED_INITIAL_TRANSITION),
+    ("last chunk without bootstrap value", lambda: env_part(T - 1, 1, step=STEP).replace(final_values=None), ErrorCode.MISSING_FINAL_VALUES),
+    ("non-finite reward", _nan_rewards, ErrorCode.NON_FINITE),
+    ("non-finite value", _inf_value, ErrorCode.NON_FINITE),
+]
+
+STRUCTURE_CASES = [
+    ("extra observation key", lambda: policy_part(0, 1, step=STEP).replace(obs={**policy_part(0).obs, "depth": np.zeros((B, 1), np.float32)})),
+    ("wrong trailing shape", lambda: policy_part(0, 1, step=STEP).replace(obs={**policy_part(0).obs, "state": np.zeros((B, 6), np.float32)})),
+    ("wrong dtype", lambda: policy_part(0, 1, step=STEP).replace(obs={**policy_part(0).obs, "image": np.zeros((B, 2, 2, 3), np.float32)})),
+    ("missing reward", lambda: env_part(2, 1, step=STEP).replace(transition=env_part(2).transition.replace(rewards=None))),
+    ("not a part", lambda: {"obs": 1}),
+]
+
+
+def _collector():
+    c = jaxtraj.TrajectoryCollector(PLAN, policy_part(0), env_part(0), step_id=STEP)
+    prefix, rest = _prefix_and_rest()
+    for p in prefix:
+        assert c.add(p) == []
+    return c, rest
+
+
+@pytest.mark.parametrize("name,make,code", CASES, ids=[c[0] for c in CASES])
+def test_facade_rejects_and_keeps_everything(name, make, code):
+    c, rest = _collector()
+    before = snapshot(c.state)
+    bad = make()
+    with pytest.raises(CollectorError) as info:
+        c.add(bad)
+    assert info.value.code == code
+    assert info.value.key == bad.source.key.as_tuple()
+    assert "key(step_id=" in str(info.value)
+    assert_same(snapshot(c.state), before)
+    out = []
+    for p in rest:
+        out += c.add(p)
+    assert len(out) == 1
+    assert_same(out[0][1], reference(step=STEP))
+
+
+@pytest.mark.parametrize("name,make", STRUCTURE_CASES, ids=[c[0] for c in STRUCTURE_CASES])
+def test_structure_rejected_before_tracing(name, make):
+    c, rest = _collector()
+    before = snapshot(c.state)
+    with pytest.raises(CollectorError) as info:
+        c.add(make())
+    assert info.value.code == ErrorCode.STRUCTURE_MISMATCH
+    assert_same(snapshot(c.state), before)
+    # The pure function raises the same error at trace time, before anything runs.
+    if name != "not a part":
+        state = jaxtraj.init(PLAN, policy_part(0), env_part(0))
+        add = jaxtraj.add_policy if isinstance(make(), jaxtraj.PolicyPart) else jaxtraj.add_env
+        with pytest.raises(CollectorError, match="differs from the plan"):
+            jax.jit(add, static_argnums=0)(PLAN, state, make())
+    out = []
+    for p in rest:
+        out += c.add(p)
+    assert_same(out[0][1], reference(step=STEP))
+
+
+def test_flush_of_incomplete_scope():
+    c, rest = _collector()
+    c.auto_flush = False
+    before = snapshot(c.state)
+    with pytest.raises(CollectorError, match="incomplete") as info:
+        c.flush(0, 0)
+    assert info.value.code == ErrorCode.INCOMPLETE_SCOPE
+    assert_same(snapshot(c.state), before)
+    for p in rest:
+        assert c.add(p) == []
+    assert c.ready() == [(0, 0)]
+    assert_same(c.flush(0, 0)[1], reference(step=STEP))
+
+
+_add_policy = jax.jit(jaxtraj.add_policy, static_argnums=0, donate_argnums=1)
+_add_env = jax.jit(jaxtraj.add_env, static_argnums=0, donate_argnums=1)
+_flush = jax.jit(jaxtraj.flush, static_argnums=0, donate_argnums=1)
+
+
+def _pure_add(state, part):
+    add = _add_policy if isinstance(part, jaxtraj.PolicyPart) else _add_env
+    return add(PLAN, state, part)
+
+
+@pytest.mark.parametrize("name,make,code", CASES, ids=[c[0] for c in CASES])
+def test_jitted_functions_record_error_and_keep_data(name, make, code):
+    state = jaxtraj.init(PLAN, policy_part(0), env_part(0), step_id=STEP)
+    prefix, rest = _prefix_and_rest()
+    for p in prefix:
+        state = _pure_add(state, p)
+    jaxtraj.raise_if_error(state)
+    before = snapshot(state)
+    bad = make()
+    state = _pure_add(state, bad)
+    assert int(state.error_code) == code and int(state.error_count) == 1
+    np.testing.assert_array_equal(state.error_key, bad.source.key.as_tuple())
+    # Only the error record changed.
+    strip = lambda s: s.replace(error_code=0, error_key=0, error_count=0)
+    assert_same(strip(snapshot(state)), strip(before))
+    with pytest.raises(CollectorError) as info:
+        jaxtraj.raise_if_error(state)
+    assert info.value.code == code and info.value.key == bad.source.key.as_tuple()
+    for p in rest:
+        state = _pure_add(state, p)
+    state, traj = _flush(PLAN, state, 0)
+    assert int(state.error_count) == 1  # nothing else was rejected
+    assert_same(traj, reference(step=STEP))
+
+
+def test_jitted_flush_of_incomplete_scope_records_error():
+    state = jaxtraj.init(PLAN, policy_part(0), env_part(0))
+    state = _pure_add(state, policy_part(0))
+    before = snapshot(state)
+    state, _ = _flush(PLAN, state, 0)
+    assert int(state.error_code) == ErrorCode.INCOMPLETE_SCOPE
+    strip = lambda s: s.replace(error_code=0, error_key=0, error_count=0)
+    assert_same(strip(snapshot(state)), strip(before))
+
+
+def test_add_many_is_all_or_nothing():
+    c, rest = _collector()
+    before = snapshot(c.state)
+    with pytest.raises(CollectorError) as info:
+        c.add_many(rest[:3] + [policy_part(T, 1, step=STEP)] + rest[3:])
+    assert info.value.code == ErrorCode.CHUNK_OUT_OF_RANGE
+    assert_same(snapshot(c.state), before)
+    out = c.add_many(rest)
+    assert_same(out[0][1], reference(step=STEP))
