@@ -10,7 +10,8 @@ returns queue-ready ``(queue_key, item)`` pairs when a scope completes.
 from __future__ import annotations
 
 import functools
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -66,7 +67,9 @@ class TrajectoryCollector:
             raise ValueError(f"TrajectoryCollector supports mode='rollout', got {plan.mode!r}")
         self.plan = plan
         self.auto_flush = auto_flush
-        self._state = joiner.init(plan, policy_example, env_example, sources=sources, step_id=step_id)
+        self._state = joiner.init(
+            plan, policy_example, env_example, sources=sources, step_id=step_id
+        )
         self._sources = np.asarray(self._state.sources)
         shape = self._state.policy_rows.shape
         self._rows = {PolicyPart: np.zeros(shape, bool), EnvPart: np.zeros(shape, bool)}

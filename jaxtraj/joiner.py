@@ -143,7 +143,6 @@ def init(
     )
 
 
-
 def policy_structure(state: CollectorState, part: PolicyPart, key: Any = None) -> int:
     """Check a policy half against the buffers (trace time); return its row count."""
     if not isinstance(part, PolicyPart):
@@ -151,7 +150,9 @@ def policy_structure(state: CollectorState, part: PolicyPart, key: Any = None) -
     return slots.check_payload("PolicyPart", part.replace(source=None), state.policy, 3, key)
 
 
-def env_structure(state: CollectorState, part: EnvPart, key: Any = None) -> tuple[int, bool, bool, bool]:
+def env_structure(
+    state: CollectorState, part: EnvPart, key: Any = None
+) -> tuple[int, bool, bool, bool]:
     """Check an env half against the buffers (trace time).
 
     Returns ``(rows, has_initial, has_final, has_next_obs)``: its row count and which

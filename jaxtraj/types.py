@@ -16,7 +16,8 @@ part or to a whole buffer ``[E, T, B, ...]`` alike.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -111,7 +112,9 @@ class _Fragmentable:
         for f in ordered:
             off = int(np.asarray(f.source.offset))
             if off != expect:
-                raise ValueError(f"fragments are not contiguous: expected offset {expect}, got {off}")
+                raise ValueError(
+                    f"fragments are not contiguous: expected offset {expect}, got {off}"
+                )
             expect = off + rows_of(f.replace(source=None))
         payloads = [f.replace(source=None) for f in ordered]
         merged = jax.tree.map(lambda *xs: np.concatenate([np.asarray(x) for x in xs]), *payloads)
@@ -180,7 +183,7 @@ class EnvTransition:
             return jnp.logical_or(self.terminations, self.truncations)
         return self.terminations if self.terminations is not None else self.truncations
 
-    def boundary(self) -> "EnvTransition":
+    def boundary(self) -> EnvTransition:
         """Only the boundary flags, as ``initial_transition`` stores them."""
         return EnvTransition(
             terminations=self.terminations, truncations=self.truncations, dones=self.dones
@@ -266,7 +269,7 @@ class TrajectoryStep:
         *,
         env_reward_weight: float = 1.0,
         reward_model_weight: float = 1.0,
-    ) -> "TrajectoryStep":
+    ) -> TrajectoryStep:
         """Resolve one joined pair (or a buffer of pairs) into a step.
 
         Rewards come from ``EnvTransition.compute_rewards``; executed human actions
@@ -294,7 +297,9 @@ class TrajectoryStep:
             step = step.apply_interventions(tr.intervene_actions, tr.intervene_flags)
         return step
 
-    def apply_interventions(self, intervene_actions: Array, intervene_flags: Array) -> "TrajectoryStep":
+    def apply_interventions(
+        self, intervene_actions: Array, intervene_flags: Array
+    ) -> TrajectoryStep:
         """Replace executed actions element-wise per action of the chunk.
 
         ``intervene_flags [..., K]`` selects, per action, the human action from
@@ -358,7 +363,7 @@ class Trajectory:
         step_id: Any = 0,
         env_rank: Any = 0,
         stage_id: Any = 0,
-    ) -> "Trajectory":
+    ) -> Trajectory:
         """Materialise the temporal layout from steps ``[E, T, B, ...]``.
 
         Args:

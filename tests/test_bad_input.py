@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from helpers import B, E, PLAN, T, all_parts, env_part, policy_part
+from helpers import PLAN, B, E, T, all_parts, env_part, policy_part
 from test_core import assert_same, reference, snapshot
 
 import jaxtraj
@@ -45,7 +45,9 @@ def _prefix_and_rest():
     prefix = [p for p in parts if int(p.source.key.epoch_id) == 0]
     prefix.append(_frag(env11, [2, 2], 0))
     rest = [p for p in parts if int(p.source.key.epoch_id) == 1 and p is not None]
-    rest = [p for p in rest if not (isinstance(p, jaxtraj.EnvPart) and int(p.source.key.chunk_id) == 1)]
+    rest = [
+        p for p in rest if not (isinstance(p, jaxtraj.EnvPart) and int(p.source.key.chunk_id) == 1)
+    ]
     rest.append(_frag(env11, [2, 2], 1))
     return prefix, rest
 
@@ -53,29 +55,87 @@ def _prefix_and_rest():
 # (name, bad part factory, expected code, detectable under jit)
 CASES = [
     ("same half twice", lambda: policy_part(0, 0, step=STEP), ErrorCode.DUPLICATE),
-    ("same fragment rows twice", lambda: _frag(env_part(1, 1, step=STEP), [2, 2], 0), ErrorCode.DUPLICATE),
-    ("overlapping fragment rows", lambda: _frag(env_part(1, 1, step=STEP), [1, 2, 1], 1), ErrorCode.DUPLICATE),
-    ("rows beyond batch_size", lambda: _with_offset(_frag(policy_part(0, 1, step=STEP), [2, 2], 0), 3), ErrorCode.ROWS_OUT_OF_RANGE),
-    ("negative offset", lambda: _with_offset(_frag(policy_part(0, 1, step=STEP), [2, 2], 0), -1), ErrorCode.ROWS_OUT_OF_RANGE),
-    ("batch_size differs", lambda: _with_offset(policy_part(0, 1, step=STEP), 0, B * 2), ErrorCode.BATCH_SIZE_MISMATCH),
+    (
+        "same fragment rows twice",
+        lambda: _frag(env_part(1, 1, step=STEP), [2, 2], 0),
+        ErrorCode.DUPLICATE,
+    ),
+    (
+        "overlapping fragment rows",
+        lambda: _frag(env_part(1, 1, step=STEP), [1, 2, 1], 1),
+        ErrorCode.DUPLICATE,
+    ),
+    (
+        "rows beyond batch_size",
+        lambda: _with_offset(_frag(policy_part(0, 1, step=STEP), [2, 2], 0), 3),
+        ErrorCode.ROWS_OUT_OF_RANGE,
+    ),
+    (
+        "negative offset",
+        lambda: _with_offset(_frag(policy_part(0, 1, step=STEP), [2, 2], 0), -1),
+        ErrorCode.ROWS_OUT_OF_RANGE,
+    ),
+    (
+        "batch_size differs",
+        lambda: _with_offset(policy_part(0, 1, step=STEP), 0, B * 2),
+        ErrorCode.BATCH_SIZE_MISMATCH,
+    ),
     ("chunk_id >= T", lambda: policy_part(T, 1, step=STEP), ErrorCode.CHUNK_OUT_OF_RANGE),
     ("epoch_id >= E", lambda: policy_part(0, E, step=STEP), ErrorCode.EPOCH_OUT_OF_RANGE),
-    ("unknown env_rank", lambda: policy_part(0, 1, env_rank=7, step=STEP), ErrorCode.UNKNOWN_SOURCE),
+    (
+        "unknown env_rank",
+        lambda: policy_part(0, 1, env_rank=7, step=STEP),
+        ErrorCode.UNKNOWN_SOURCE,
+    ),
     ("unknown stage_id", lambda: env_part(2, 1, stage=1, step=STEP), ErrorCode.UNKNOWN_SOURCE),
     ("stale step_id", lambda: policy_part(0, 1, step=STEP - 1), ErrorCode.STALE_STEP),
     ("future step_id", lambda: env_part(0, 1, step=STEP + 1), ErrorCode.FUTURE_STEP),
-    ("chunk 0 without initial_transition", lambda: env_part(0, 1, step=STEP).replace(initial_transition=None), ErrorCode.MISSING_INITIAL_TRANSITION),
-    ("initial_transition off chunk 0", lambda: env_part(2, 1, step=STEP).replace(initial_transition=env_part(0).initial_transition), ErrorCode.UNEXPECTED_INITIAL_TRANSITION),
-    ("last chunk without bootstrap value", lambda: env_part(T - 1, 1, step=STEP).replace(final_values=None), ErrorCode.MISSING_FINAL_VALUES),
+    (
+        "chunk 0 without initial_transition",
+        lambda: env_part(0, 1, step=STEP).replace(initial_transition=None),
+        ErrorCode.MISSING_INITIAL_TRANSITION,
+    ),
+    (
+        "initial_transition off chunk 0",
+        lambda: env_part(2, 1, step=STEP).replace(
+            initial_transition=env_part(0).initial_transition
+        ),
+        ErrorCode.UNEXPECTED_INITIAL_TRANSITION,
+    ),
+    (
+        "last chunk without bootstrap value",
+        lambda: env_part(T - 1, 1, step=STEP).replace(final_values=None),
+        ErrorCode.MISSING_FINAL_VALUES,
+    ),
     ("non-finite reward", _nan_rewards, ErrorCode.NON_FINITE),
     ("non-finite value", _inf_value, ErrorCode.NON_FINITE),
 ]
 
 STRUCTURE_CASES = [
-    ("extra observation key", lambda: policy_part(0, 1, step=STEP).replace(obs={**policy_part(0).obs, "depth": np.zeros((B, 1), np.float32)})),
-    ("wrong trailing shape", lambda: policy_part(0, 1, step=STEP).replace(obs={**policy_part(0).obs, "state": np.zeros((B, 6), np.float32)})),
-    ("wrong dtype", lambda: policy_part(0, 1, step=STEP).replace(obs={**policy_part(0).obs, "image": np.zeros((B, 2, 2, 3), np.float32)})),
-    ("missing reward", lambda: env_part(2, 1, step=STEP).replace(transition=env_part(2).transition.replace(rewards=None))),
+    (
+        "extra observation key",
+        lambda: policy_part(0, 1, step=STEP).replace(
+            obs={**policy_part(0).obs, "depth": np.zeros((B, 1), np.float32)}
+        ),
+    ),
+    (
+        "wrong trailing shape",
+        lambda: policy_part(0, 1, step=STEP).replace(
+            obs={**policy_part(0).obs, "state": np.zeros((B, 6), np.float32)}
+        ),
+    ),
+    (
+        "wrong dtype",
+        lambda: policy_part(0, 1, step=STEP).replace(
+            obs={**policy_part(0).obs, "image": np.zeros((B, 2, 2, 3), np.float32)}
+        ),
+    ),
+    (
+        "missing reward",
+        lambda: env_part(2, 1, step=STEP).replace(
+            transition=env_part(2).transition.replace(rewards=None)
+        ),
+    ),
     ("not a part", lambda: {"obs": 1}),
 ]
 

@@ -6,10 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import B, E, K, PLAN, T, all_parts, env_part, policy_part
+from helpers import PLAN, B, E, K, T, all_parts, env_part, policy_part
 
 import jaxtraj
-from jaxtraj import CollectorError, ErrorCode
+from jaxtraj import CollectorError
 
 
 def reference(env_rank=0, step=0):
@@ -80,7 +80,9 @@ def test_layout_matches_hand_built_example():
             np.testing.assert_array_equal(tr.obs["state"][e, t], p.obs["state"])
             np.testing.assert_array_equal(tr.actions[e, t], p.output.actions)
             np.testing.assert_array_equal(tr.prev_logprobs[e, t], p.output.prev_logprobs)
-            np.testing.assert_array_equal(tr.forward_inputs["tokens"][e, t], p.output.forward_inputs["tokens"])
+            np.testing.assert_array_equal(
+                tr.forward_inputs["tokens"][e, t], p.output.forward_inputs["tokens"]
+            )
             np.testing.assert_array_equal(tr.rewards[e, t], v.transition.rewards)
             np.testing.assert_array_equal(tr.prev_values[e, t], p.output.prev_values)
             # dones index t+1 is the done after action t

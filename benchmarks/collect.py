@@ -1,0 +1,341 @@
+"""Collect one training step of realistic embodied parts: jaxtraj against a host-side
+dict-and-stack collector in the original system's style and a plain memory copy.
+
+Parts (per source chunk, B = 64 environments): one 64x64x3 uint8 image and a
+32-float state, an 8x7 float action chunk, log-probabilities of the same shape, a
+value, 256 int32 forward-input tokens; env halves with 8 action-level rewards and
+done flags. T = 64 chunks, one epoch. Halves arrive in a random order.
+
+Measured, side by side in one process:
+
+- ``memcpy``: one contiguous copy of every byte the step holds (the physical limit);
+- ``host_dict_stack``: the original system's collector: dicts keyed by key, a
+  step per joined pair, ``np.stack`` per field at flush;
+- ``jaxtraj_add``: ``TrajectoryCollector.add`` per half, then the flush;
+- ``jaxtraj_add_many``: ``TrajectoryCollector.add_many`` in batches of 16 halves;
+- ``jaxtraj_jit``: the pure jitted functions on parts already on the device.
+
+Two more figures: the overhead per half of batched inserts of tiny parts (B = 8,
+no image), and insert time at a capacity of 4096 chunks against 64 chunks.
+
+    python benchmarks/collect.py [--quick] [--repeats 5]
+
+Writes ``benchmarks/results/collect.json`` and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxtraj
+from jaxtraj import (
+    EnvPart,
+    EnvTransition,
+    PolicyOutput,
+    PolicyPart,
+    TrajectoryKey,
+    TrajectoryPlan,
+    TrajectorySource,
+)
+
+K, A = 8, 7
+
+
+def make_parts(B, T, *, image=True, seed=0):
+    """All halves of one training step (one source, one epoch), shuffled."""
+    rng = np.random.default_rng(seed)
+    parts = []
+    for t in range(T):
+        key = TrajectoryKey(0, 0, 0, 0, t)
+        obs = {"state": rng.standard_normal((B, 32), np.float32)}
+        if image:
+            obs["image"] = rng.integers(0, 255, (B, 64, 64, 3), np.uint8)
+        parts.append(
+            PolicyPart(
+                source=TrajectorySource(key, B, 0),
+                obs=obs,
+                output=PolicyOutput(
+                    actions=rng.standard_normal((B, K, A), np.float32),
+                    prev_logprobs=rng.standard_normal((B, K, A), np.float32),
+                    prev_values=rng.standard_normal((B,), np.float32),
+                    forward_inputs={"tokens": rng.integers(0, 32000, (B, 256), np.int32)},
+                ),
+            )
+        )
+        zeros = np.zeros((B, K), bool)
+        parts.append(
+            EnvPart(
+                source=TrajectorySource(key, B, 0),
+                transition=EnvTransition(
+                    rewards=rng.standard_normal((B, K), np.float32),
+                    terminations=rng.random((B, K)) < 0.01,
+                    truncations=zeros,
+                ),
+                initial_transition=EnvTransition(terminations=zeros, truncations=zeros)
+                if t == 0
+                else None,
+                final_values=rng.standard_normal((B,), np.float32) if t == T - 1 else None,
+            )
+        )
+    random.Random(seed).shuffle(parts)
+    return parts
+
+
+def nbytes(parts):
+    return sum(np.asarray(x).nbytes for p in parts for x in jax.tree.leaves(p.replace(source=None)))
+
+
+def examples(parts):
+    policy = next(p for p in parts if isinstance(p, PolicyPart))
+    env = next(p for p in parts if isinstance(p, EnvPart))
+    return policy, env
+
+
+def timeit(fn, repeats):
+    """Median wall time of ``fn()`` after one warm-up call (compiles)."""
+    t0 = time.perf_counter()
+    fn()
+    first = time.perf_counter() - t0
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), first
+
+
+def run_memcpy(parts):
+    total = nbytes(parts)
+    src = np.random.default_rng(1).integers(0, 255, total, np.uint8)
+    dst = np.empty_like(src)
+    return lambda: np.copyto(dst, src)
+
+
+def run_host_dict_stack(parts, T):
+    """The original system's style: dicts keyed by key, lists, ``stack`` at flush."""
+
+    def collect():
+        pending_policy, pending_env, steps = {}, {}, {}
+        initial = final = None
+        for p in parts:
+            k = p.source.key.as_tuple()
+            if isinstance(p, PolicyPart):
+                pending_policy[k] = p
+            else:
+                pending_env[k] = p
+            if k in pending_policy and k in pending_env:
+                pol, env = pending_policy.pop(k), pending_env.pop(k)
+                steps[k[-1]] = {
+                    "obs": pol.obs,
+                    "actions": pol.output.actions,
+                    "prev_logprobs": pol.output.prev_logprobs,
+                    "prev_values": pol.output.prev_values,
+                    "forward_inputs": pol.output.forward_inputs,
+                    "rewards": env.transition.rewards,
+                    "dones": env.transition.terminations | env.transition.truncations,
+                }
+                if env.initial_transition is not None:
+                    initial = env.initial_transition
+                if env.final_values is not None:
+                    final = env.final_values
+        ordered = [steps[t] for t in range(T)]
+        out = jax.tree.map(lambda *xs: np.stack(xs), *ordered)
+        out["dones"] = np.concatenate(
+            [(initial.terminations | initial.truncations)[None], out["dones"]]
+        )
+        out["prev_values"] = np.concatenate([out["prev_values"], final[None]])
+        return out
+
+    return collect
+
+
+def block(items):
+    jax.block_until_ready([t for _, t in items])
+    return items
+
+
+def run_jaxtraj_add(parts, plan):
+    pol, env = examples(parts)
+
+    def collect():
+        c = jaxtraj.TrajectoryCollector(plan, pol, env)
+        out = []
+        for p in parts:
+            out += c.add(p)
+        assert len(out) == 1
+        return block(out)
+
+    return collect
+
+
+def run_jaxtraj_add_many(parts, plan, batch=16):
+    pol, env = examples(parts)
+
+    def collect():
+        c = jaxtraj.TrajectoryCollector(plan, pol, env)
+        out = []
+        for i in range(0, len(parts), batch):
+            out += c.add_many(parts[i : i + batch])
+        assert len(out) == 1
+        return block(out)
+
+    return collect
+
+
+def run_jaxtraj_jit(parts, plan):
+    """The pure functions on device-resident parts, state allocated outside the timing."""
+    pol, env = examples(parts)
+    add_p = jax.jit(jaxtraj.add_policy, static_argnums=0, donate_argnums=1)
+    add_e = jax.jit(jaxtraj.add_env, static_argnums=0, donate_argnums=1)
+    flush = jax.jit(jaxtraj.flush, static_argnums=0, donate_argnums=1)
+    device_parts = jax.device_put(parts)
+    holder = {"state": jaxtraj.init(plan, pol, env)}
+
+    def collect():
+        state = holder["state"]
+        for p in device_parts:
+            state = (add_p if isinstance(p, PolicyPart) else add_e)(plan, state, p)
+        state, traj = flush(plan, state, 0)
+        jax.block_until_ready(traj)
+        holder["state"] = state
+        return traj
+
+    return collect
+
+
+def tiny_overhead(repeats, halves=4096, batch=256):
+    """Microseconds per half of batched inserts of tiny parts (B = 8, no image)."""
+    B, T = 8, halves // 2
+    parts = make_parts(B, T, image=False, seed=2)
+    plan = TrajectoryPlan(num_chunks=T, batch_size=B)
+    pol, env = examples(parts)
+    bytes_ = nbytes(parts)
+
+    def collect():
+        c = jaxtraj.TrajectoryCollector(plan, pol, env)
+        out = []
+        for i in range(0, len(parts), batch):
+            out += c.add_many(parts[i : i + batch])
+        return block(out)
+
+    t, _ = timeit(collect, repeats)
+    copy, _ = timeit(run_memcpy(parts), repeats)
+    return {
+        "halves": len(parts),
+        "batch": batch,
+        "bytes": bytes_,
+        "total_ms": t * 1e3,
+        "us_per_half": t / len(parts) * 1e6,
+        "memcpy_ms": copy * 1e3,
+        "overhead_us_per_half": (t - copy) / len(parts) * 1e6,
+    }
+
+
+def capacity_scaling(repeats, small=64, large=4096, B=64, inserts=64):
+    """Insert time of the same ``inserts`` parts into a state of ``small`` vs ``large`` chunks."""
+    out = {}
+    for T in (small, large):
+        parts = [p for p in make_parts(B, inserts, image=False, seed=3)]
+        plan = TrajectoryPlan(num_chunks=T, batch_size=B)
+        pol, env = examples(parts)
+        add_p = jax.jit(jaxtraj.add_policy, static_argnums=0, donate_argnums=1)
+        policy_parts = jax.device_put([p for p in parts if isinstance(p, PolicyPart)])
+        holder = {"state": jaxtraj.init(plan, pol, env)}
+
+        def insert():
+            state = holder["state"].replace(
+                policy_rows=jnp.zeros_like(holder["state"].policy_rows)
+            )
+            for p in policy_parts:
+                state = add_p(plan, state, p)
+            jax.block_until_ready(state)
+            holder["state"] = state
+
+        t, _ = timeit(insert, repeats)
+        out[T] = t / len(policy_parts) * 1e6
+    return {
+        "us_per_insert": {str(k): v for k, v in out.items()},
+        "ratio": out[large] / out[small],
+        "capacities": [small, large],
+    }
+
+
+def machine():
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "devices": [str(d) for d in jax.devices()],
+        "numpy": np.__version__,
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller step, fewer repeats")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "collect.json"))
+    args = parser.parse_args()
+    B, T = (16, 16) if args.quick else (64, 64)
+    repeats = 2 if args.quick else args.repeats
+    parts = make_parts(B, T)
+    plan = TrajectoryPlan(num_chunks=T, batch_size=B)
+    runs = {
+        "memcpy": run_memcpy(parts),
+        "host_dict_stack": run_host_dict_stack(parts, T),
+        "jaxtraj_add": run_jaxtraj_add(parts, plan),
+        "jaxtraj_add_many": run_jaxtraj_add_many(parts, plan),
+        "jaxtraj_jit": run_jaxtraj_jit(parts, plan),
+    }
+    results = {}
+    for name, fn in runs.items():
+        t, first = timeit(fn, repeats)
+        results[name] = {"ms": t * 1e3, "first_call_ms": first * 1e3}
+    copy = results["memcpy"]["ms"]
+    for r in results.values():
+        r["x_memcpy"] = r["ms"] / copy
+    report = {
+        "benchmark": "collect",
+        "machine": machine(),
+        "step": {"B": B, "T": T, "E": 1, "halves": len(parts), "bytes": nbytes(parts)},
+        "results": results,
+        "tiny_parts": tiny_overhead(repeats, halves=1024 if args.quick else 4096),
+        "capacity": capacity_scaling(repeats, large=512 if args.quick else 4096),
+    }
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=2)
+    m = report["machine"]
+    print(f"collect: B={B} T={T}, {len(parts)} halves, {nbytes(parts) / 2**20:.1f} MiB")
+    print(f"machine: {m['processor']}, {m['cpu_count']} cpus, jax {m['jax']} on {m['backend']}")
+    print(f"{'collector':<18}{'ms':>10}{'x memcpy':>10}{'first call ms':>15}")
+    for name, r in results.items():
+        print(f"{name:<18}{r['ms']:>10.2f}{r['x_memcpy']:>10.2f}{r['first_call_ms']:>15.1f}")
+    tiny = report["tiny_parts"]
+    print(
+        f"tiny parts (B=8, no image), add_many batches of {tiny['batch']}: "
+        f"{tiny['us_per_half']:.2f} us/half, overhead over memcpy {tiny['overhead_us_per_half']:.2f} us/half"
+    )
+    cap = report["capacity"]
+    us = cap["us_per_insert"]
+    print(
+        f"insert at capacity {cap['capacities'][1]} vs {cap['capacities'][0]} chunks: "
+        f"{us[str(cap['capacities'][1])]:.1f} vs {us[str(cap['capacities'][0])]:.1f} us, ratio {cap['ratio']:.2f}"
+    )
+
+
+if __name__ == "__main__":
+    main()
