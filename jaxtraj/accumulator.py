@@ -17,30 +17,46 @@ from jaxtraj.plan import TrajectoryPlan
 from jaxtraj.types import Trajectory, TrajectoryStep
 
 
-def source_steps(plan: TrajectoryPlan, state: CollectorState, s: jax.Array) -> TrajectoryStep:
-    """Resolved steps of source ``s`` (traced index), leaves ``[E, T, B, ...]``."""
-    take = lambda b: b[s]  # noqa: E731
+def _take(state: CollectorState, s: jax.Array | None):
+    """Select source ``s`` of a stacked state (a copy); a single-source state as is."""
+    if state.stacked:
+        return lambda tree: jax.tree.map(lambda b: b[s], tree)
+    return lambda tree: tree
+
+
+def source_steps(
+    plan: TrajectoryPlan, state: CollectorState, s: jax.Array | None = None
+) -> TrajectoryStep:
+    """Resolved steps of a source, leaves ``[E, T, B, ...]``.
+
+    ``s`` (traced) selects the source of a stacked state; ignored otherwise.
+    """
+    take = _take(state, s)
     return TrajectoryStep.from_parts(
-        jax.tree.map(take, state.policy),
-        jax.tree.map(take, state.env),
+        take(state.policy),
+        take(state.env),
         env_reward_weight=plan.env_reward_weight,
         reward_model_weight=plan.reward_model_weight,
     )
 
 
-def materialize(plan: TrajectoryPlan, state: CollectorState, s: jax.Array) -> Trajectory:
-    """The :class:`Trajectory` of source ``s``'s current training step.
+def materialize(
+    plan: TrajectoryPlan, state: CollectorState, s: jax.Array | None = None
+) -> Trajectory:
+    """The :class:`Trajectory` of a source's current training step.
 
-    It does not check completeness; the output strategies do.
+    ``s`` (traced) selects the source of a stacked state; ignored otherwise. It does
+    not check completeness; the output strategies do.
     """
-    given = None if state.next_obs_given is None else state.next_obs_given[s]
+    take = _take(state, s)
+    sources = take(state.sources)
     return Trajectory.from_steps(
         source_steps(plan, state, s),
-        jax.tree.map(lambda b: b[s], state.initial),
-        next_obs_given=given,
-        step_id=state.step[s],
-        env_rank=state.sources[s, 0],
-        stage_id=state.sources[s, 1],
+        take(state.initial),
+        next_obs_given=take(state.next_obs_given),
+        step_id=take(state.step),
+        env_rank=sources[0],
+        stage_id=sources[1],
     )
 
 
@@ -50,8 +66,8 @@ class TrajectoryAccumulator:
 
     plan: TrajectoryPlan
 
-    def steps(self, state: CollectorState, s: jax.Array) -> TrajectoryStep:
+    def steps(self, state: CollectorState, s: jax.Array | None = None) -> TrajectoryStep:
         return source_steps(self.plan, state, s)
 
-    def materialize(self, state: CollectorState, s: jax.Array) -> Trajectory:
+    def materialize(self, state: CollectorState, s: jax.Array | None = None) -> Trajectory:
         return materialize(self.plan, state, s)

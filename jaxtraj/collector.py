@@ -1,10 +1,10 @@
 """``TrajectoryCollector``: the thin host facade over the pure functions.
 
-For service loops that are not jitted (host threads, Ray-style actors): it holds the
-state, checks every half on the host before it reaches the device (a numpy mirror
-of the coverage masks, so rejecting a part costs no device sync and changes
-nothing), raises :class:`jaxtraj.CollectorError` naming the key and the reason, and
-returns queue-ready ``(queue_key, item)`` pairs when a scope completes.
+For service loops that are not jitted (host threads, actor processes): it holds one
+single-source state per source, checks every half on the host before it reaches the
+device (a numpy mirror of the coverage masks: rejecting a part costs no device sync
+and changes nothing), raises :class:`jaxtraj.CollectorError` naming the key and the
+reason, and returns queue-ready ``(queue_key, item)`` pairs when a scope completes.
 """
 
 from __future__ import annotations
@@ -19,29 +19,27 @@ import numpy as np
 from jaxtraj import joiner, rollout, slots
 from jaxtraj.errors import CollectorError, ErrorCode
 from jaxtraj.plan import TrajectoryPlan
-from jaxtraj.types import EnvPart, PolicyPart, Trajectory
+from jaxtraj.types import EnvPart, PolicyPart, Trajectory, TrajectoryKey, TrajectorySource
 
 _jit = functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
-_add_policy = _jit(joiner.add_policy)
-_add_env = _jit(joiner.add_env)
-_add_policies = _jit(joiner.add_policies)
-_add_envs = _jit(joiner.add_envs)
-_flush = _jit(rollout.flush)
+_ADD = {PolicyPart: _jit(joiner.add_policy), EnvPart: _jit(joiner.add_env)}
+_ADD_MANY = {PolicyPart: _jit(joiner.add_policies), EnvPart: _jit(joiner.add_envs)}
+_flush = _jit(functools.partial(rollout.flush, assume_complete=True))
 
 
-def _host_int(x: Any) -> int:
-    return int(np.asarray(x))
+def _stack(parts: Sequence[Any]) -> Any:
+    return jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *parts)
 
 
 class TrajectoryCollector:
-    """Holds a collector state; accepts either half; flushes complete scopes.
+    """Holds the collector's state; accepts either half; flushes complete scopes.
 
     Example::
 
         collector = jaxtraj.TrajectoryCollector(plan, policy_example, env_example)
         for part in arrivals:                    # any order, any fragmentation
             for queue_key, trajectory in collector.add(part):
-                actor_queue[queue_key].put(trajectory)
+                actor_queues[queue_key].put(trajectory)
 
     Args:
       plan: the static :class:`TrajectoryPlan` (``mode="rollout"``).
@@ -67,19 +65,27 @@ class TrajectoryCollector:
             raise ValueError(f"TrajectoryCollector supports mode='rollout', got {plan.mode!r}")
         self.plan = plan
         self.auto_flush = auto_flush
-        self._state = joiner.init(
-            plan, policy_example, env_example, sources=sources, step_id=step_id
-        )
-        self._sources = np.asarray(self._state.sources)
-        shape = self._state.policy_rows.shape
+        sources = [tuple(int(v) for v in s) for s in (sources or plan.default_sources())]
+        self._states = [
+            joiner.init(plan, policy_example, env_example, sources=s, step_id=step_id)
+            for s in sources
+        ]
+        self._sources = np.asarray(sources, np.int64).reshape(-1, 2)
+        shape = (len(sources), plan.num_epochs, plan.num_chunks, plan.batch_size)
         self._rows = {PolicyPart: np.zeros(shape, bool), EnvPart: np.zeros(shape, bool)}
-        self._step = np.full((shape[0],), step_id, np.int64)
-        self._needs_final = self._state.policy.output.prev_values is not None
+        self._step = np.full((len(sources),), step_id, np.int64)
+        self._needs_final = self._states[0].policy.output.prev_values is not None
+        self._checked: dict[Any, tuple] = {}  # part signature -> (rows, boundary flags)
 
     @property
     def state(self) -> joiner.CollectorState:
-        """The current :class:`CollectorState` (for checkpointing or jitted use)."""
-        return self._state
+        """A stacked copy of the per-source states (for inspection and checkpoints)."""
+        return jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *self._states)
+
+    @property
+    def states(self) -> tuple[joiner.CollectorState, ...]:
+        """The per-source single-source states, in source order."""
+        return tuple(self._states)
 
     def current_step(self, env_rank: int = 0, stage_id: int = 0) -> int:
         """The training step a source currently accepts."""
@@ -91,46 +97,89 @@ class TrajectoryCollector:
             raise CollectorError(None, ErrorCode.UNKNOWN_SOURCE, f"({env_rank}, {stage_id})")
         return int(s)
 
-    def _check(self, part: Any, rows_mirror: dict) -> tuple[int, int, int, int, int]:
-        """Host-side checks of one half against ``rows_mirror``; returns its slot and rows."""
+    # -- host-side checks -------------------------------------------------------------
+
+    def _structure(self, part: Any, stacked: bool, key: Any) -> tuple:
+        """Structure check, cached by signature: ``(rows, has_initial, has_final, has_next)``."""
         if not isinstance(part, (PolicyPart, EnvPart)):
-            raise CollectorError(None, ErrorCode.STRUCTURE_MISMATCH, f"not a part: {type(part)}")
-        src = part.source
-        key = src.key.as_tuple()
-        src = src.replace(
-            key=type(src.key)(*key),
-            batch_size=_host_int(src.batch_size),
-            offset=_host_int(src.offset),
-        )
-        if isinstance(part, PolicyPart):
-            rows = joiner.policy_structure(self._state, part, key)
+            raise CollectorError(key, ErrorCode.STRUCTURE_MISMATCH, f"not a part: {type(part)}")
+        leaves, treedef = jax.tree.flatten(part.replace(source=None))
+        sig = (treedef, tuple((np.shape(x), getattr(x, "dtype", None)) for x in leaves), stacked)
+        if sig not in self._checked:
+            view = part
+            if stacked:  # check one element of the stack
+                view = jax.tree.map(
+                    lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], np.asarray(x).dtype), part
+                )
+            if isinstance(part, PolicyPart):
+                flags = (joiner.policy_structure(self._states[0], view, key), False, False, False)
+            else:
+                flags = joiner.env_structure(self._states[0], view, key)
+            self._checked[sig] = flags
+        return self._checked[sig]
+
+    def _check(self, part: Any, stacked: bool, mirror: dict) -> np.ndarray:
+        """Check one part (or a stack) against ``mirror``; update it; return source indices.
+
+        Raises ``CollectorError`` for the first rejected part; ``mirror`` is then
+        unchanged.
+        """
+        if stacked:
+            keys = np.stack([np.asarray(v, np.int64) for v in part.source.key.fields()], axis=1)
+            bs = np.asarray(part.source.batch_size, np.int64)
+            off = np.asarray(part.source.offset, np.int64)
         else:
-            rows, has_initial, has_final, has_next = joiner.env_structure(self._state, part, key)
-        found, s = slots.locate(np, self._sources, src.key.env_rank, src.key.stage_id)
-        s = int(s)
+            if not isinstance(part, (PolicyPart, EnvPart)):
+                raise CollectorError(None, ErrorCode.STRUCTURE_MISMATCH, f"not a part: {type(part)}")
+            keys = np.asarray([part.source.key.as_tuple()], np.int64)
+            bs = np.asarray([int(np.asarray(part.source.batch_size))], np.int64)
+            off = np.asarray([int(np.asarray(part.source.offset))], np.int64)
+        rows, has_initial, has_final, has_next = self._structure(part, stacked, keys[0])
+        n = keys.shape[0]
+        bs, off = np.broadcast_to(bs, (n,)), np.broadcast_to(off, (n,))
+        match = (self._sources[None, :, 0] == keys[:, 2:3]) & (self._sources[None, :, 1] == keys[:, 3:4])
+        found, s = match.any(axis=1), match.argmax(axis=1)
+        src = TrajectorySource(TrajectoryKey(*keys.T), bs, off)
         checks = slots.key_checks(np, self.plan, src, rows, found, self._step[s])
-        e, t, off = src.key.epoch_id, src.key.chunk_id, src.offset
-        mask = rows_mirror[type(part)]
-        in_range = not slots.first_error(np, checks)
-        dup = in_range and bool(mask[s, e, t, off : off + rows].any())
+        valid = slots.first_error(np, checks) == 0
+        e, t = np.where(valid, keys[:, 1], 0), np.where(valid, keys[:, 4], 0)
+        o = np.where(valid, off, 0)
+        row_idx = o[:, None] + np.arange(rows)
+        mask = mirror[type(part)]
+        dup = mask[s[:, None], e[:, None], t[:, None], row_idx].any(axis=1)
+        # Rows repeated within the batch: every occurrence after the first is a duplicate.
+        flat = np.ravel_multi_index((s[:, None], e[:, None], t[:, None], row_idx), mask.shape)
+        flat = np.where(valid[:, None], flat, -1 - np.arange(n)[:, None])
+        _, first = np.unique(flat.ravel(), return_index=True)
+        seen_first = np.zeros(flat.size, bool)
+        seen_first[first] = True
+        dup |= ~seen_first.reshape(flat.shape).all(axis=1)
         checks.append((dup, ErrorCode.DUPLICATE))
         if isinstance(part, EnvPart):
             checks += slots.env_checks(
                 np,
                 self.plan,
-                t,
+                keys[:, 4],
                 has_initial=has_initial,
                 has_final=has_final,
                 has_next_obs=has_next or not self.plan.collect_transitions,
                 needs_final=self._needs_final,
             )
         if self.plan.nonfinite == "reject":
-            finite = all(np.isfinite(np.asarray(x)).all() for x in slots.finite_leaves(part))
-            checks.append((not finite, ErrorCode.NON_FINITE))
-        code = int(slots.first_error(np, checks))
-        if code:
-            raise CollectorError(key, code)
-        return s, e, t, off, rows
+            finite = np.ones((n,), bool)
+            for x in slots.finite_leaves(part):
+                finite &= np.isfinite(np.asarray(x)).reshape(n, -1).all(axis=1)
+            checks.append((~finite, ErrorCode.NON_FINITE))
+        code = slots.first_error(np, checks)
+        bad = np.flatnonzero(code)
+        if bad.size:
+            i = bad[0]
+            detail = f"part {i} of the batch" if stacked else ""
+            raise CollectorError(keys[i], code[i], detail)
+        mask[s[:, None], e[:, None], t[:, None], row_idx] = True
+        return s
+
+    # -- inserts and flushes ------------------------------------------------------------
 
     def add(self, part: PolicyPart | EnvPart) -> list[tuple[str, Trajectory]]:
         """Insert one half (or fragment).
@@ -140,42 +189,49 @@ class TrajectoryCollector:
           scope (with ``auto_flush``), else ``[]``.
 
         Raises:
-          CollectorError: the part is rejected; the state is unchanged.
+          CollectorError: the part is rejected; nothing changes.
         """
-        s, e, t, off, rows = self._check(part, self._rows)
-        if isinstance(part, PolicyPart):
-            self._state = _add_policy(self.plan, self._state, part)
-        else:
-            self._state = _add_env(self.plan, self._state, part)
-        self._rows[type(part)][s, e, t, off : off + rows] = True
+        (s,) = self._check(part, False, self._rows)
+        self._states[s] = _ADD[type(part)](self.plan, self._states[s], part)
         return self._flush_complete([s])
 
-    def add_many(self, parts: Iterable[PolicyPart | EnvPart]) -> list[tuple[str, Trajectory]]:
-        """Insert many halves with one device call per group of like parts.
+    def add_many(self, parts: Iterable[PolicyPart | EnvPart] | PolicyPart | EnvPart):
+        """Insert many halves with one device call per source and group of like parts.
+
+        Args:
+          parts: a sequence of parts, or one stacked part (a leading axis ``N`` on
+            every leaf, keys included), e.g. built by a service loop.
 
         All or nothing: every part is checked first; if one is rejected the error
-        names it and none of the batch is inserted. Parts are grouped by kind and
-        shape, stacked on the host, and inserted with ``add_policies`` /
-        ``add_envs`` (each distinct group size compiles once).
+        names it and none of the batch is inserted. A sequence is grouped by kind and
+        shape and stacked on the host; each distinct group size compiles once.
+
+        Returns:
+          The ``(queue_key, Trajectory)`` pairs flushed.
         """
-        parts = list(parts)
-        scratch = {k: v.copy() for k, v in self._rows.items()}
-        slots_of = []
-        for part in parts:
-            s, e, t, off, rows = self._check(part, scratch)
-            scratch[type(part)][s, e, t, off : off + rows] = True
-            slots_of.append(s)
-        groups: dict[Any, list] = {}
-        for part in parts:
-            leaves, treedef = jax.tree.flatten(part)
-            sig = (type(part), treedef, tuple(np.shape(x) for x in leaves))
-            groups.setdefault(sig, []).append(part)
-        for (kind, _, _), group in groups.items():
-            stacked = jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *group)
-            add = _add_policies if kind is PolicyPart else _add_envs
-            self._state = add(self.plan, self._state, stacked)
-        self._rows = scratch
-        return self._flush_complete(sorted(set(slots_of)))
+        if isinstance(parts, (PolicyPart, EnvPart)):
+            groups = [parts]
+        else:
+            by_sig: dict[Any, list] = {}
+            for part in parts:
+                if not isinstance(part, (PolicyPart, EnvPart)):
+                    raise CollectorError(None, ErrorCode.STRUCTURE_MISMATCH, f"not a part: {type(part)}")
+                leaves, treedef = jax.tree.flatten(part.replace(source=None))
+                sig = (type(part), treedef, tuple(np.shape(x) for x in leaves))
+                by_sig.setdefault(sig, []).append(part)
+            groups = [_stack(group) for group in by_sig.values()]
+        mirror = {k: v.copy() for k, v in self._rows.items()}
+        owners = [self._check(group, True, mirror) for group in groups]
+        touched = set()
+        for group, s_of in zip(groups, owners):
+            for s in np.unique(s_of):
+                sub = group
+                if len(np.unique(s_of)) > 1:
+                    sub = jax.tree.map(lambda x, s=s: np.asarray(x)[s_of == s], group)
+                self._states[s] = _ADD_MANY[type(group)](self.plan, self._states[s], sub)
+                touched.add(int(s))
+        self._rows = mirror
+        return self._flush_complete(sorted(touched))
 
     def ready(self) -> list[tuple[int, int]]:
         """``(env_rank, stage_id)`` of the sources whose step is complete."""
@@ -196,7 +252,7 @@ class TrajectoryCollector:
         return self._flush_index(s)
 
     def _flush_index(self, s: int) -> tuple[str, Trajectory]:
-        self._state, traj = _flush(self.plan, self._state, s)
+        self._states[s], traj = _flush(self.plan, self._states[s])
         for mask in self._rows.values():
             mask[s] = False
         self._step[s] += 1

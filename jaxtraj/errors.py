@@ -94,13 +94,16 @@ def raise_if_error(state: Any) -> None:
         state = jax.jit(loop)(state)
         jaxtraj.raise_if_error(state)   # one host sync
 
-    ``state.error_count`` counts every rejected part; the error raised is the first.
+    ``state.error_count`` counts every rejected part; the error raised is the first
+    (of the first source with one, for a stacked state).
     """
-    code = int(np.asarray(state.error_code))
-    if code != ErrorCode.OK:
-        count = int(np.asarray(state.error_count))
+    codes = np.asarray(state.error_code).reshape(-1)
+    bad = np.flatnonzero(codes)
+    if bad.size:
+        i = bad[0]
+        count = int(np.asarray(state.error_count).sum())
         raise CollectorError(
-            np.asarray(state.error_key).tolist(),
-            code,
+            np.asarray(state.error_key).reshape(-1, 5)[i].tolist(),
+            int(codes[i]),
             f"{count} part(s) or flush(es) rejected under jit; the first is reported",
         )

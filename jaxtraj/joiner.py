@@ -1,15 +1,19 @@
 """Join the two halves of every chunk by key, in fixed-capacity device buffers.
 
-A pair of pure functions in the manner of optax and flashbax: :func:`init` allocates
-every buffer once from the plan and one example of each half; :func:`add_policy` and
+Pure functions in the manner of optax and flashbax: :func:`init` allocates every
+buffer once from the plan and one example of each half; :func:`add_policy` and
 :func:`add_env` write one half (or a fragment of it) into its slot and return the new
 state; :func:`add_policies` / :func:`add_envs` write a stack of parts in one call.
 
-Buffers have leading axes ``[S, E, T, B]`` (sources, epochs, chunks, rows); a
-per-row coverage mask for each half says what has arrived, so a slot is complete
-when both halves cover all ``B`` rows, whatever the arrival order or fragmentation.
-Jit the functions with the state donated and an insert writes only the part's rows
-in place::
+A state holds one source: buffers ``[E, T, B, ...]`` (epochs, chunks, rows) and a
+per-row coverage mask for each half, so a slot is complete when both halves cover
+all ``B`` rows, whatever the arrival order or fragmentation. Several sources are a
+*stacked* state, every leaf with a leading source axis ``[S, ...]``: what
+``jax.vmap`` over single-source states gives, and what :func:`init` returns for a
+plan with several sources. The functions accept both: on a stacked state they route
+each part to its source's slice by ``(env_rank, stage_id)``.
+
+Jit them with the state donated and an insert writes only the part's rows, in place::
 
     add = jax.jit(jaxtraj.add_policy, static_argnums=0, donate_argnums=1)
     state = add(plan, state, part)
@@ -39,21 +43,21 @@ PyTree = Any
 
 @struct.dataclass
 class CollectorState:
-    """The collector's state: fixed-capacity buffers and what has arrived.
+    """The collector's state for one source (or, stacked, a leading ``[S]`` on every leaf).
 
     Attributes:
-      policy: ``PolicyPart`` payload (``source=None``), leaves ``[S, E, T, B, ...]``.
+      policy: ``PolicyPart`` payload (``source=None``), leaves ``[E, T, B, ...]``.
       env: ``EnvPart`` payload: ``transition``, ``next_rlt_obs`` as in the example,
         ``final_values`` when values are used, ``next_obs`` with
-        ``collect_transitions``; leaves ``[S, E, T, B, ...]``.
-      initial: chunk zero's boundary flags, leaves ``[S, E, B, ...]``.
-      policy_rows, env_rows: ``[S, E, T, B]`` bool, rows received per half.
-      next_obs_given: ``[S, E, T, B]`` bool, rows with an explicit ``next_obs``
+        ``collect_transitions``; leaves ``[E, T, B, ...]``.
+      initial: chunk zero's boundary flags, leaves ``[E, B, ...]``.
+      policy_rows, env_rows: ``[E, T, B]`` bool, rows received per half.
+      next_obs_given: ``[E, T, B]`` bool, rows with an explicit ``next_obs``
         (``collect_transitions`` only).
-      sources: ``[S, 2]`` int32, ``(env_rank, stage_id)`` of each owned source.
-      step: ``[S]`` int32, each source's current training step.
-      error_code, error_key, error_count: the first rejection under ``jit``, its key,
-        and how many parts were rejected.
+      sources: ``[2]`` int32, the ``(env_rank, stage_id)`` this state holds.
+      step: int32, the source's current training step.
+      error_code, error_key, error_count: the first rejection under ``jit``, its key
+        ``[5]``, and how many parts were rejected.
     """
 
     policy: PyTree
@@ -69,14 +73,19 @@ class CollectorState:
     error_count: jax.Array
 
     @property
+    def stacked(self) -> bool:
+        """Whether every leaf has a leading source axis."""
+        return self.sources.ndim == 2
+
+    @property
     def num_sources(self) -> int:
-        return self.sources.shape[0]
+        return self.sources.shape[0] if self.stacked else 1
 
 
 def _alloc(example: PyTree, lead: tuple[int, ...]) -> PyTree:
     def zeros(x):
-        x = np.asarray(x) if not hasattr(x, "dtype") else x
-        return jnp.zeros(lead + tuple(np.shape(x)[1:]), jax.dtypes.canonicalize_dtype(x.dtype))
+        dtype = jax.dtypes.canonicalize_dtype(getattr(x, "dtype", np.result_type(x)))
+        return jnp.zeros(lead + tuple(np.shape(x)[1:]), dtype)
 
     return jax.tree.map(zeros, example)
 
@@ -99,6 +108,23 @@ def _env_layout(plan: TrajectoryPlan, policy_example: PolicyPart, env_example: E
     )
 
 
+def _init_one(plan, policy_example, env_example, source, step_id) -> CollectorState:
+    E, T, B = plan.num_epochs, plan.num_chunks, plan.batch_size
+    return CollectorState(
+        policy=_alloc(policy_example.replace(source=None), (E, T, B)),
+        env=_alloc(_env_layout(plan, policy_example, env_example), (E, T, B)),
+        initial=_alloc(env_example.transition.boundary(), (E, B)),
+        policy_rows=jnp.zeros((E, T, B), bool),
+        env_rows=jnp.zeros((E, T, B), bool),
+        next_obs_given=jnp.zeros((E, T, B), bool) if plan.collect_transitions else None,
+        sources=jnp.asarray(source, jnp.int32),
+        step=jnp.asarray(step_id, jnp.int32),
+        error_code=jnp.zeros((), jnp.int32),
+        error_key=jnp.zeros((5,), jnp.int32),
+        error_count=jnp.zeros((), jnp.int32),
+    )
+
+
 def init(
     plan: TrajectoryPlan,
     policy_example: PolicyPart,
@@ -109,45 +135,41 @@ def init(
 ) -> CollectorState:
     """Allocate a collector state from the plan and one example of each half.
 
-    Only the examples' structure, trailing shapes and dtypes are used (their row
-    count and values are not). Works under ``jax.eval_shape`` and ``jax.vmap``.
+    Only the examples' structure, trailing shapes and dtypes are used (not their row
+    count or values). Works under ``jax.eval_shape`` and ``jax.vmap``.
 
     Args:
       plan: the static configuration.
       policy_example: any ``PolicyPart`` of the run.
       env_example: any ``EnvPart`` of the run.
-      sources: ``[S, 2]`` int ``(env_rank, stage_id)`` pairs this state owns; default
-        every source of the plan. Give one source per state to ``vmap`` over sources.
+      sources: ``[2]`` ``(env_rank, stage_id)`` for a single-source state, or
+        ``[S, 2]`` for a stacked one. Default: the plan's sources, stacked when there
+        are several, ``(0, 0)`` alone otherwise.
       step_id: the first training step.
 
     Returns:
       A :class:`CollectorState` with all buffers zeroed and nothing received.
     """
     if sources is None:
-        sources = np.asarray(plan.default_sources(), np.int32)
-    sources = jnp.asarray(sources, jnp.int32).reshape(-1, 2)
-    S, E, T, B = sources.shape[0], plan.num_epochs, plan.num_chunks, plan.batch_size
-    env_layout = _env_layout(plan, policy_example, env_example)
-    return CollectorState(
-        policy=_alloc(policy_example.replace(source=None), (S, E, T, B)),
-        env=_alloc(env_layout, (S, E, T, B)),
-        initial=_alloc(env_example.transition.boundary(), (S, E, B)),
-        policy_rows=jnp.zeros((S, E, T, B), bool),
-        env_rows=jnp.zeros((S, E, T, B), bool),
-        next_obs_given=jnp.zeros((S, E, T, B), bool) if plan.collect_transitions else None,
-        sources=sources,
-        step=jnp.full((S,), step_id, jnp.int32),
-        error_code=jnp.zeros((), jnp.int32),
-        error_key=jnp.zeros((5,), jnp.int32),
-        error_count=jnp.zeros((), jnp.int32),
-    )
+        sources = plan.default_sources()
+        sources = sources[0] if len(sources) == 1 else sources
+    sources = jnp.asarray(sources, jnp.int32)
+    if sources.ndim == 1:
+        return _init_one(plan, policy_example, env_example, sources, step_id)
+    one = lambda src: _init_one(plan, policy_example, env_example, src, step_id)
+    return jax.vmap(one)(sources)
+
+
+def _lead(state: CollectorState) -> int:
+    """Leading axes before the rows axis of the slot buffers (``[S,] E, T``)."""
+    return state.policy_rows.ndim - 1
 
 
 def policy_structure(state: CollectorState, part: PolicyPart, key: Any = None) -> int:
     """Check a policy half against the buffers (trace time); return its row count."""
     if not isinstance(part, PolicyPart):
         raise CollectorError(key, ErrorCode.STRUCTURE_MISMATCH, f"not a PolicyPart: {type(part)}")
-    return slots.check_payload("PolicyPart", part.replace(source=None), state.policy, 3, key)
+    return slots.check_payload("PolicyPart", part.replace(source=None), state.policy, _lead(state), key)
 
 
 def env_structure(
@@ -160,10 +182,10 @@ def env_structure(
     """
     if not isinstance(part, EnvPart):
         raise CollectorError(key, ErrorCode.STRUCTURE_MISMATCH, f"not an EnvPart: {type(part)}")
-    layout = state.env
+    lead, layout = _lead(state), state.env
     payload = part.replace(source=None, initial_transition=None, final_values=None, next_obs=None)
     rows = slots.check_payload(
-        "EnvPart", payload, layout.replace(final_values=None, next_obs=None), 3, key
+        "EnvPart", payload, layout.replace(final_values=None, next_obs=None), lead, key
     )
     has_final = part.final_values is not None
     if has_final:
@@ -173,15 +195,19 @@ def env_structure(
                 ErrorCode.STRUCTURE_MISMATCH,
                 "EnvPart.final_values given, but the plan's examples carry no values",
             )
-        slots.check_payload("EnvPart.final_values", part.final_values, layout.final_values, 3, key)
+        slots.check_payload("EnvPart.final_values", part.final_values, layout.final_values, lead, key)
     # A next_obs override is part of the contract; it is only retained with collect_transitions.
     has_next = part.next_obs is not None and layout.next_obs is not None
     if has_next:
-        slots.check_payload("EnvPart.next_obs", part.next_obs, layout.next_obs, 3, key)
+        slots.check_payload("EnvPart.next_obs", part.next_obs, layout.next_obs, lead, key)
     has_initial = part.initial_transition is not None
     if has_initial:
         slots.check_payload(
-            "EnvPart.initial_transition", part.initial_transition.boundary(), state.initial, 2, key
+            "EnvPart.initial_transition",
+            part.initial_transition.boundary(),
+            state.initial,
+            lead - 1,
+            key,
         )
     return rows, has_initial, has_final, has_next
 
@@ -189,13 +215,13 @@ def env_structure(
 def _write(buffer: PyTree, data: PyTree, start: tuple, ok: jax.Array) -> PyTree:
     """Write ``data`` (leaves ``[rows, ...]``) at ``start`` where ``ok``; cost ~ the part.
 
-    ``start`` indexes the leading axes ending with the row offset. Where not ok the
+    ``start`` indexes the leading axes, ending with the row offset. Where not ok the
     old rows are written back, so a rejected part changes nothing.
     """
 
     def one(buf, x):
-        lead = len(start) - 1
-        x = jnp.asarray(x, buf.dtype).reshape((1,) * lead + jnp.shape(x))
+        x = jnp.asarray(x, buf.dtype)
+        x = x.reshape((1,) * (len(start) - 1) + x.shape)
         idx = tuple(start) + (0,) * (x.ndim - len(start))
         old = lax.dynamic_slice(buf, idx, x.shape)
         return lax.dynamic_update_slice(buf, jnp.where(ok, x, old), idx)
@@ -207,13 +233,18 @@ def _key_vector(key) -> jax.Array:
     return jnp.stack([jnp.asarray(k, jnp.int32) for k in key.fields()])
 
 
-def record_error(state: CollectorState, code: jax.Array, key) -> CollectorState:
-    """Record ``code`` (if non-zero) for ``key``: the first error wins; all are counted."""
-    first = (state.error_code == 0) & (code != 0)
+def record_error(state: CollectorState, code: jax.Array, key, s: Any = None) -> CollectorState:
+    """Record ``code`` (if non-zero) for ``key``: the first error wins; all are counted.
+
+    ``s`` is the source index of a stacked state.
+    """
+    at = (lambda x: x[s]) if s is not None else (lambda x: x)
+    put = (lambda x, v: x.at[s].set(v)) if s is not None else (lambda x, v: v)
+    first = (at(state.error_code) == 0) & (code != 0)
     return state.replace(
-        error_code=jnp.where(first, code, state.error_code),
-        error_key=jnp.where(first, _key_vector(key), state.error_key),
-        error_count=state.error_count + (code != 0).astype(jnp.int32),
+        error_code=put(state.error_code, jnp.where(first, code, at(state.error_code))),
+        error_key=put(state.error_key, jnp.where(first, _key_vector(key), at(state.error_key))),
+        error_count=put(state.error_count, at(state.error_count) + (code != 0).astype(jnp.int32)),
     )
 
 
@@ -224,25 +255,29 @@ def _nonfinite(plan: TrajectoryPlan, part: Any) -> jax.Array:
     return jnp.any(jnp.stack(bad)) if bad else jnp.asarray(False)
 
 
-def _locate(state: CollectorState, part: Any):
-    """The part's source as int32 scalars, whether it is owned, and its index."""
+def _route(plan, state, part, rows, rows_mask):
+    """Key checks, the duplicate check, and where the part's rows start.
+
+    Returns ``(checks, start, s, key)``: ``start`` indexes the slot buffers
+    (``(s, e, t, offset)`` on a stacked state, ``(e, t, offset)`` otherwise).
+    """
+    as32 = lambda v: jnp.asarray(v, jnp.int32)
     src = part.source
-    as32 = lambda v: jnp.asarray(v, jnp.int32)  # noqa: E731
     src = src.replace(
         key=jax.tree.map(as32, src.key), batch_size=as32(src.batch_size), offset=as32(src.offset)
     )
-    found, s = slots.locate(jnp, state.sources, src.key.env_rank, src.key.stage_id)
-    return src, found, s
-
-
-def _slot_checks(plan, state, src, rows, found, s, rows_mask):
-    """Key checks plus the duplicate check against ``rows_mask``; and the slot start."""
     key = src.key
-    checks = slots.key_checks(jnp, plan, src, rows, found, state.step[s])
-    start = (s, key.epoch_id, key.chunk_id, src.offset)
-    dup = jnp.any(lax.dynamic_slice(rows_mask, start, (1, 1, 1, rows)))
+    if state.stacked:
+        found, s = slots.locate(jnp, state.sources, key.env_rank, key.stage_id)
+        prefix, step = (s,), state.step[s]
+    else:
+        found = (state.sources[0] == key.env_rank) & (state.sources[1] == key.stage_id)
+        s, prefix, step = None, (), state.step
+    checks = slots.key_checks(jnp, plan, src, rows, found, step)
+    start = prefix + (key.epoch_id, key.chunk_id, src.offset)
+    dup = jnp.any(lax.dynamic_slice(rows_mask, start, (1,) * (len(start) - 1) + (rows,)))
     checks.append((dup, ErrorCode.DUPLICATE))
-    return checks, start
+    return checks, start, s, key
 
 
 def add_policy(plan: TrajectoryPlan, state: CollectorState, part: PolicyPart) -> CollectorState:
@@ -256,18 +291,16 @@ def add_policy(plan: TrajectoryPlan, state: CollectorState, part: PolicyPart) ->
     Returns:
       The new state. A rejected part changes nothing but the error record.
     """
-    payload = part.replace(source=None)
     rows = policy_structure(state, part)
-    src, found, s = _locate(state, part)
-    checks, start = _slot_checks(plan, state, src, rows, found, s, state.policy_rows)
+    checks, start, s, key = _route(plan, state, part, rows, state.policy_rows)
     checks.append((_nonfinite(plan, part), ErrorCode.NON_FINITE))
     code = slots.first_error(jnp, checks)
     ok = code == 0
     state = state.replace(
-        policy=_write(state.policy, payload, start, ok),
+        policy=_write(state.policy, part.replace(source=None), start, ok),
         policy_rows=_write(state.policy_rows, jnp.ones((rows,), bool), start, ok),
     )
-    return record_error(state, code, src.key)
+    return record_error(state, code, key, s)
 
 
 def add_env(plan: TrajectoryPlan, state: CollectorState, part: EnvPart) -> CollectorState:
@@ -278,28 +311,28 @@ def add_env(plan: TrajectoryPlan, state: CollectorState, part: EnvPart) -> Colle
     ``collect_transitions``. ``next_obs`` elsewhere is an optional override.
     """
     layout = state.env
-    payload = part.replace(source=None, initial_transition=None, final_values=None, next_obs=None)
     rows, has_initial, has_final, has_next = env_structure(state, part)
-    src, found, s = _locate(state, part)
-    checks, start = _slot_checks(plan, state, src, rows, found, s, state.env_rows)
-    needs_final = state.policy.output.prev_values is not None
+    checks, start, s, key = _route(plan, state, part, rows, state.env_rows)
     checks += slots.env_checks(
         jnp,
         plan,
-        src.key.chunk_id,
+        key.chunk_id,
         has_initial=has_initial,
         has_final=has_final,
         has_next_obs=has_next or layout.next_obs is None,
-        needs_final=needs_final,
+        needs_final=state.policy.output.prev_values is not None,
     )
     checks.append((_nonfinite(plan, part), ErrorCode.NON_FINITE))
     code = slots.first_error(jnp, checks)
     ok = code == 0
+    lead = len(start) - 1
 
-    def fill(buf_leaf):
-        return jnp.zeros((rows,) + buf_leaf.shape[4:], buf_leaf.dtype)
+    def fill(buf_leaf):  # absent optional fields are written as zeros: no stale data
+        return jnp.zeros((rows,) + buf_leaf.shape[lead + 1 :], buf_leaf.dtype)
 
-    written = payload.replace(
+    written = part.replace(
+        source=None,
+        initial_transition=None,
         final_values=part.final_values if has_final else jax.tree.map(fill, layout.final_values),
         next_obs=part.next_obs if has_next else jax.tree.map(fill, layout.next_obs),
     )
@@ -311,11 +344,11 @@ def add_env(plan: TrajectoryPlan, state: CollectorState, part: EnvPart) -> Colle
         given = jnp.full((rows,), has_next, bool)
         state = state.replace(next_obs_given=_write(state.next_obs_given, given, start, ok))
     if has_initial:
-        initial_start = (s, src.key.epoch_id, src.offset)
+        initial_start = start[:-3] + (key.epoch_id, start[-1])
         state = state.replace(
             initial=_write(state.initial, part.initial_transition.boundary(), initial_start, ok)
         )
-    return record_error(state, code, src.key)
+    return record_error(state, code, key, s)
 
 
 def add_policies(plan: TrajectoryPlan, state: CollectorState, parts: PolicyPart) -> CollectorState:
@@ -332,13 +365,13 @@ def add_envs(plan: TrajectoryPlan, state: CollectorState, parts: EnvPart) -> Col
 
 
 def slot_complete(state: CollectorState) -> jax.Array:
-    """``[S, E, T]`` bool: both halves cover every row of the slot."""
+    """``[E, T]`` (``[S, E, T]`` stacked) bool: both halves cover every row of the slot."""
     return jnp.all(state.policy_rows & state.env_rows, axis=-1)
 
 
 def source_complete(state: CollectorState) -> jax.Array:
-    """``[S]`` bool: every slot of the source's current training step is complete."""
-    return jnp.all(slot_complete(state), axis=(1, 2))
+    """bool (``[S]`` stacked): every slot of the source's current training step is complete."""
+    return jnp.all(slot_complete(state), axis=(-2, -1))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -193,7 +193,7 @@ def test_vmap_over_sources_matches_facade():
             states = add_e(PLAN, states, stack([env_part(t, e, r) for r in range(S)]))
     assert np.all(jaxtraj.ready(states))
     states, trajs = jax.vmap(jaxtraj.flush, in_axes=(None, 0, None))(PLAN, states, 0)
-    np.testing.assert_array_equal(states.step, [[1], [1]])
+    np.testing.assert_array_equal(states.step, [1, 1])
     np.testing.assert_array_equal(states.error_code, [0, 0])
     for r in range(S):
         assert_same(jax.tree.map(lambda x, r=r: x[r], trajs), reference(r))
