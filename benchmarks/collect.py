@@ -26,6 +26,7 @@ Writes ``benchmarks/results/collect.json`` and prints a table.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -46,6 +47,7 @@ from jaxtraj import (
     TrajectoryKey,
     TrajectoryPlan,
     TrajectorySource,
+    stack_parts,
 )
 
 K, A = 8, 7
@@ -91,6 +93,18 @@ def make_parts(B, T, *, image=True, seed=0):
     return parts
 
 
+def at_step(parts, step):
+    """The same parts keyed to another training step (the arrays are shared)."""
+    return [
+        p.replace(source=p.source.replace(key=p.source.key.replace(step_id=step))) for p in parts
+    ]
+
+
+def steps_of(parts, n):
+    """Parts for training steps ``0 .. n-1``; each timed call collects the next step."""
+    return [at_step(parts, k) for k in range(n)]
+
+
 def nbytes(parts):
     return sum(np.asarray(x).nbytes for p in parts for x in jax.tree.leaves(p.replace(source=None)))
 
@@ -102,7 +116,11 @@ def examples(parts):
 
 
 def timeit(fn, repeats):
-    """Median wall time of ``fn()`` after one warm-up call (compiles)."""
+    """Median wall time of ``fn()`` after one warm-up call (compiles).
+
+    ``fn`` is called ``repeats + 1`` times; collectors persist between calls, as in a
+    training loop, and each call collects the next training step.
+    """
     t0 = time.perf_counter()
     fn()
     first = time.perf_counter() - t0
@@ -164,13 +182,14 @@ def block(items):
     return items
 
 
-def run_jaxtraj_add(parts, plan):
+def run_jaxtraj_add(parts, plan, repeats):
     pol, env = examples(parts)
+    c = jaxtraj.TrajectoryCollector(plan, pol, env)
+    steps = iter(steps_of(parts, repeats + 1))
 
     def collect():
-        c = jaxtraj.TrajectoryCollector(plan, pol, env)
         out = []
-        for p in parts:
+        for p in next(steps):
             out += c.add(p)
         assert len(out) == 1
         return block(out)
@@ -178,34 +197,38 @@ def run_jaxtraj_add(parts, plan):
     return collect
 
 
-def run_jaxtraj_add_many(parts, plan, batch=16):
+def run_jaxtraj_add_many(parts, plan, repeats, batch=16):
     pol, env = examples(parts)
+    c = jaxtraj.TrajectoryCollector(plan, pol, env)
+    steps = iter(steps_of(parts, repeats + 1))
 
     def collect():
-        c = jaxtraj.TrajectoryCollector(plan, pol, env)
-        out = []
-        for i in range(0, len(parts), batch):
-            out += c.add_many(parts[i : i + batch])
+        step, out = next(steps), []
+        for i in range(0, len(step), batch):
+            out += c.add_many(step[i : i + batch])
         assert len(out) == 1
         return block(out)
 
     return collect
 
 
-def run_jaxtraj_jit(parts, plan):
-    """The pure functions on device-resident parts, state allocated outside the timing."""
+def run_jaxtraj_jit(parts, plan, repeats):
+    """The pure functions on device-resident parts (one host sync: ``ready``)."""
     pol, env = examples(parts)
     add_p = jax.jit(jaxtraj.add_policy, static_argnums=0, donate_argnums=1)
     add_e = jax.jit(jaxtraj.add_env, static_argnums=0, donate_argnums=1)
-    flush = jax.jit(jaxtraj.flush, static_argnums=0, donate_argnums=1)
-    device_parts = jax.device_put(parts)
+    flush = jax.jit(
+        functools.partial(jaxtraj.flush, assume_complete=True), static_argnums=0, donate_argnums=1
+    )
+    steps = iter([jax.device_put(step) for step in steps_of(parts, repeats + 1)])
     holder = {"state": jaxtraj.init(plan, pol, env)}
 
     def collect():
         state = holder["state"]
-        for p in device_parts:
+        for p in next(steps):
             state = (add_p if isinstance(p, PolicyPart) else add_e)(plan, state, p)
-        state, traj = flush(plan, state, 0)
+        assert bool(jaxtraj.ready(state))
+        state, traj = flush(plan, state)
         jax.block_until_ready(traj)
         holder["state"] = state
         return traj
@@ -214,31 +237,44 @@ def run_jaxtraj_jit(parts, plan):
 
 
 def tiny_overhead(repeats, halves=4096, batch=256):
-    """Microseconds per half of batched inserts of tiny parts (B = 8, no image)."""
+    """Microseconds per half of batched inserts of tiny parts (B = 8, no image).
+
+    Two inputs: a list of parts (``add_many`` groups and stacks them on the host) and
+    parts the service loop already stacked (one ``PolicyPart`` / ``EnvPart`` per batch
+    with a leading axis).
+    """
     B, T = 8, halves // 2
     parts = make_parts(B, T, image=False, seed=2)
     plan = TrajectoryPlan(num_chunks=T, batch_size=B)
     pol, env = examples(parts)
-    bytes_ = nbytes(parts)
-
-    def collect():
-        c = jaxtraj.TrajectoryCollector(plan, pol, env)
-        out = []
-        for i in range(0, len(parts), batch):
-            out += c.add_many(parts[i : i + batch])
-        return block(out)
-
-    t, _ = timeit(collect, repeats)
+    out = {"halves": len(parts), "batch": batch, "bytes": nbytes(parts)}
     copy, _ = timeit(run_memcpy(parts), repeats)
-    return {
-        "halves": len(parts),
-        "batch": batch,
-        "bytes": bytes_,
-        "total_ms": t * 1e3,
-        "us_per_half": t / len(parts) * 1e6,
-        "memcpy_ms": copy * 1e3,
-        "overhead_us_per_half": (t - copy) / len(parts) * 1e6,
-    }
+    out["memcpy_ms"] = copy * 1e3
+
+    def batches_of(step_parts, stacked):
+        chunks = [step_parts[i : i + batch] for i in range(0, len(step_parts), batch)]
+        if not stacked:
+            return chunks
+        return [group for chunk in chunks for group in stack_parts(chunk)]
+
+    for name, stacked in (("list", False), ("stacked", True)):
+        c = jaxtraj.TrajectoryCollector(plan, pol, env)
+        steps = iter([batches_of(step, stacked) for step in steps_of(parts, repeats + 1)])
+
+        def collect():
+            res = []
+            for b in next(steps):
+                res += c.add_many(b)
+            assert len(res) == 1
+            return block(res)
+
+        t, _ = timeit(collect, repeats)
+        out[name] = {
+            "total_ms": t * 1e3,
+            "us_per_half": t / len(parts) * 1e6,
+            "overhead_us_per_half": (t - copy) / len(parts) * 1e6,
+        }
+    return out
 
 
 def capacity_scaling(repeats, small=64, large=4096, B=64, inserts=64):
@@ -296,9 +332,9 @@ def main():
     runs = {
         "memcpy": run_memcpy(parts),
         "host_dict_stack": run_host_dict_stack(parts, T),
-        "jaxtraj_add": run_jaxtraj_add(parts, plan),
-        "jaxtraj_add_many": run_jaxtraj_add_many(parts, plan),
-        "jaxtraj_jit": run_jaxtraj_jit(parts, plan),
+        "jaxtraj_add": run_jaxtraj_add(parts, plan, repeats),
+        "jaxtraj_add_many": run_jaxtraj_add_many(parts, plan, repeats),
+        "jaxtraj_jit": run_jaxtraj_jit(parts, plan, repeats),
     }
     results = {}
     for name, fn in runs.items():
@@ -325,10 +361,12 @@ def main():
     for name, r in results.items():
         print(f"{name:<18}{r['ms']:>10.2f}{r['x_memcpy']:>10.2f}{r['first_call_ms']:>15.1f}")
     tiny = report["tiny_parts"]
-    print(
-        f"tiny parts (B=8, no image), add_many batches of {tiny['batch']}: "
-        f"{tiny['us_per_half']:.2f} us/half, overhead over memcpy {tiny['overhead_us_per_half']:.2f} us/half"
-    )
+    for name in ("list", "stacked"):
+        r = tiny[name]
+        print(
+            f"tiny parts (B=8, no image), add_many of {name} batches of {tiny['batch']}: "
+            f"{r['us_per_half']:.2f} us/half, overhead over memcpy {r['overhead_us_per_half']:.2f} us/half"
+        )
     cap = report["capacity"]
     us = cap["us_per_insert"]
     print(

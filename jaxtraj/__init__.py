@@ -5,7 +5,7 @@ device buffers, and flush Actor-ready trajectories.
 """
 
 from jaxtraj.accumulator import TrajectoryAccumulator, materialize
-from jaxtraj.collector import TrajectoryCollector
+from jaxtraj.collector import TrajectoryCollector, stack_parts
 from jaxtraj.errors import CollectorError, ErrorCode, raise_if_error
 from jaxtraj.joiner import (
     ChunkJoiner,
@@ -62,4 +62,5 @@ __all__ = [
     "ready",
     "slot_complete",
     "source_complete",
+    "stack_parts",
 ]

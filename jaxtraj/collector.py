@@ -27,8 +27,24 @@ _ADD_MANY = {PolicyPart: _jit(joiner.add_policies), EnvPart: _jit(joiner.add_env
 _flush = _jit(functools.partial(rollout.flush, assume_complete=True))
 
 
-def _stack(parts: Sequence[Any]) -> Any:
-    return jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *parts)
+def stack_parts(parts: Iterable[PolicyPart | EnvPart]) -> list[PolicyPart | EnvPart]:
+    """Group parts by kind, structure and shape, and stack each group on the host.
+
+    Returns one stacked part per group (a leading axis on every leaf, keys
+    included), in order of first appearance: what :meth:`TrajectoryCollector.add_many`
+    and the pure ``add_policies`` / ``add_envs`` take.
+    """
+    by_sig: dict[Any, list] = {}
+    for part in parts:
+        if not isinstance(part, (PolicyPart, EnvPart)):
+            raise CollectorError(None, ErrorCode.STRUCTURE_MISMATCH, f"not a part: {type(part)}")
+        leaves, treedef = jax.tree.flatten(part)
+        sig = (treedef, tuple(np.shape(x) for x in leaves))
+        by_sig.setdefault(sig, []).append(leaves)
+    return [
+        jax.tree.unflatten(treedef, [np.stack(xs) for xs in zip(*group)])
+        for (treedef, _), group in by_sig.items()
+    ]
 
 
 class TrajectoryCollector:
@@ -71,6 +87,7 @@ class TrajectoryCollector:
             for s in sources
         ]
         self._sources = np.asarray(sources, np.int64).reshape(-1, 2)
+        self._source_index = {src: i for i, src in enumerate(sources)}
         shape = (len(sources), plan.num_epochs, plan.num_chunks, plan.batch_size)
         self._rows = {PolicyPart: np.zeros(shape, bool), EnvPart: np.zeros(shape, bool)}
         self._step = np.full((len(sources),), step_id, np.int64)
@@ -118,23 +135,52 @@ class TrajectoryCollector:
             self._checked[sig] = flags
         return self._checked[sig]
 
-    def _check(self, part: Any, stacked: bool, mirror: dict) -> np.ndarray:
-        """Check one part (or a stack) against ``mirror``; update it; return source indices.
+    def _check_one(self, part: Any) -> tuple[int, int, int, int, int]:
+        """Check one part against the mirror with plain Python scalars.
+
+        Returns its ``(s, epoch, chunk, offset, rows)``; raises ``CollectorError``.
+        """
+        if not isinstance(part, (PolicyPart, EnvPart)):
+            raise CollectorError(None, ErrorCode.STRUCTURE_MISMATCH, f"not a part: {type(part)}")
+        key = part.source.key.as_tuple()
+        bs, off = int(np.asarray(part.source.batch_size)), int(np.asarray(part.source.offset))
+        rows, has_initial, has_final, has_next = self._structure(part, False, key)
+        s = self._source_index.get((key[2], key[3]))
+        found, s = s is not None, s or 0
+        src = TrajectorySource(TrajectoryKey(*key), bs, off)
+        checks = slots.key_checks(slots.py, self.plan, src, rows, found, int(self._step[s]))
+        e, t = key[1], key[4]
+        if not slots.first_error(slots.py, checks):
+            dup = bool(self._rows[type(part)][s, e, t, off : off + rows].any())
+            checks.append((dup, ErrorCode.DUPLICATE))
+        if isinstance(part, EnvPart):
+            checks += slots.env_checks(
+                slots.py,
+                self.plan,
+                t,
+                has_initial=has_initial,
+                has_final=has_final,
+                has_next_obs=has_next or not self.plan.collect_transitions,
+                needs_final=self._needs_final,
+            )
+        if self.plan.nonfinite == "reject":
+            finite = all(np.isfinite(np.asarray(x)).all() for x in slots.finite_leaves(part))
+            checks.append((not finite, ErrorCode.NON_FINITE))
+        code = slots.first_error(slots.py, checks)
+        if code:
+            raise CollectorError(key, code)
+        return s, e, t, off, rows
+
+    def _check_stack(self, part: Any, mirror: dict) -> np.ndarray:
+        """Check a stack of parts against ``mirror``; update it; return their sources.
 
         Raises ``CollectorError`` for the first rejected part; ``mirror`` is then
         unchanged.
         """
-        if stacked:
-            keys = np.stack([np.asarray(v, np.int64) for v in part.source.key.fields()], axis=1)
-            bs = np.asarray(part.source.batch_size, np.int64)
-            off = np.asarray(part.source.offset, np.int64)
-        else:
-            if not isinstance(part, (PolicyPart, EnvPart)):
-                raise CollectorError(None, ErrorCode.STRUCTURE_MISMATCH, f"not a part: {type(part)}")
-            keys = np.asarray([part.source.key.as_tuple()], np.int64)
-            bs = np.asarray([int(np.asarray(part.source.batch_size))], np.int64)
-            off = np.asarray([int(np.asarray(part.source.offset))], np.int64)
-        rows, has_initial, has_final, has_next = self._structure(part, stacked, keys[0])
+        keys = np.stack([np.asarray(v, np.int64) for v in part.source.key.fields()], axis=1)
+        bs = np.asarray(part.source.batch_size, np.int64)
+        off = np.asarray(part.source.offset, np.int64)
+        rows, has_initial, has_final, has_next = self._structure(part, True, keys[0])
         n = keys.shape[0]
         bs, off = np.broadcast_to(bs, (n,)), np.broadcast_to(off, (n,))
         match = (self._sources[None, :, 0] == keys[:, 2:3]) & (self._sources[None, :, 1] == keys[:, 3:4])
@@ -174,8 +220,7 @@ class TrajectoryCollector:
         bad = np.flatnonzero(code)
         if bad.size:
             i = bad[0]
-            detail = f"part {i} of the batch" if stacked else ""
-            raise CollectorError(keys[i], code[i], detail)
+            raise CollectorError(keys[i], code[i], f"part {i} of its group in the batch")
         mask[s[:, None], e[:, None], t[:, None], row_idx] = True
         return s
 
@@ -191,8 +236,9 @@ class TrajectoryCollector:
         Raises:
           CollectorError: the part is rejected; nothing changes.
         """
-        (s,) = self._check(part, False, self._rows)
+        s, e, t, off, rows = self._check_one(part)
         self._states[s] = _ADD[type(part)](self.plan, self._states[s], part)
+        self._rows[type(part)][s, e, t, off : off + rows] = True
         return self._flush_complete([s])
 
     def add_many(self, parts: Iterable[PolicyPart | EnvPart] | PolicyPart | EnvPart):
@@ -212,16 +258,9 @@ class TrajectoryCollector:
         if isinstance(parts, (PolicyPart, EnvPart)):
             groups = [parts]
         else:
-            by_sig: dict[Any, list] = {}
-            for part in parts:
-                if not isinstance(part, (PolicyPart, EnvPart)):
-                    raise CollectorError(None, ErrorCode.STRUCTURE_MISMATCH, f"not a part: {type(part)}")
-                leaves, treedef = jax.tree.flatten(part.replace(source=None))
-                sig = (type(part), treedef, tuple(np.shape(x) for x in leaves))
-                by_sig.setdefault(sig, []).append(part)
-            groups = [_stack(group) for group in by_sig.values()]
+            groups = stack_parts(parts)
         mirror = {k: v.copy() for k, v in self._rows.items()}
-        owners = [self._check(group, True, mirror) for group in groups]
+        owners = [self._check_stack(group, mirror) for group in groups]
         touched = set()
         for group, s_of in zip(groups, owners):
             for s in np.unique(s_of):

@@ -64,6 +64,7 @@ def test_public_names():
             "ready",
             "slot_complete",
             "source_complete",
+            "stack_parts",
         ]
     )
     for name in jaxtraj.__all__:
