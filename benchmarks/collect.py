@@ -289,9 +289,7 @@ def capacity_scaling(repeats, small=64, large=4096, B=64, inserts=64):
         holder = {"state": jaxtraj.init(plan, pol, env)}
 
         def insert():
-            state = holder["state"].replace(
-                policy_rows=jnp.zeros_like(holder["state"].policy_rows)
-            )
+            state = holder["state"].replace(policy_rows=jnp.zeros_like(holder["state"].policy_rows))
             for p in policy_parts:
                 state = add_p(plan, state, p)
             jax.block_until_ready(state)
@@ -323,7 +321,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller step, fewer repeats")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "collect.json"))
+    parser.add_argument(
+        "--out", default=os.path.join(os.path.dirname(__file__), "results", "collect.json")
+    )
     args = parser.parse_args()
     B, T = (16, 16) if args.quick else (64, 64)
     repeats = 2 if args.quick else args.repeats

@@ -18,8 +18,10 @@ from jaxtraj.joiner import (
     slot_complete,
     source_complete,
 )
+from jaxtraj.pipeline import MicroBatches
 from jaxtraj.plan import TrajectoryPlan
 from jaxtraj.rollout import flush, ready
+from jaxtraj.targets import Targets, trajectory_targets
 from jaxtraj.types import (
     EnvPart,
     EnvTransition,
@@ -41,6 +43,7 @@ __all__ = [
     "EnvPart",
     "EnvTransition",
     "ErrorCode",
+    "MicroBatches",
     "PolicyInput",
     "PolicyOutput",
     "PolicyPart",
@@ -50,6 +53,7 @@ __all__ = [
     "TrajectoryKey",
     "TrajectoryPlan",
     "TrajectorySource",
+    "Targets",
     "TrajectoryStep",
     "add_env",
     "add_envs",
@@ -63,4 +67,5 @@ __all__ = [
     "slot_complete",
     "source_complete",
     "stack_parts",
+    "trajectory_targets",
 ]

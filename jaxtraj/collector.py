@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxtraj import joiner, rollout, slots
+from jaxtraj import joiner, pipeline, rollout, slots
 from jaxtraj.errors import CollectorError, ErrorCode
 from jaxtraj.plan import TrajectoryPlan
 from jaxtraj.types import EnvPart, PolicyPart, Trajectory, TrajectoryKey, TrajectorySource
@@ -57,14 +57,23 @@ class TrajectoryCollector:
             for queue_key, trajectory in collector.add(part):
                 actor_queues[queue_key].put(trajectory)
 
+    In rollout mode each complete source step flushes one ``Trajectory`` on
+    ``plan.queue_key``. In pipeline mode each complete epoch (across every source)
+    flushes :class:`jaxtraj.MicroBatches`, one item per Actor rank on the queue keys
+    ``"actor_0"``, ``"actor_1"``, ...
+
     Args:
-      plan: the static :class:`TrajectoryPlan` (``mode="rollout"``).
+      plan: the static :class:`TrajectoryPlan` (``mode="rollout"`` or ``"pipeline"``).
       policy_example, env_example: one example of each half; fixes the buffers'
         structure, trailing shapes and dtypes.
       sources: ``(env_rank, stage_id)`` pairs owned; default all of the plan's.
       step_id: the first training step.
-      auto_flush: flush each source as soon as its step completes (``add`` returns
-        the items); otherwise call :meth:`flush`.
+      auto_flush: flush each scope as soon as it completes (``add`` returns the
+        items); otherwise call :meth:`flush` / :meth:`flush_epoch`.
+      rng: pipeline mode's PRNG key; epoch ``e`` of step ``k`` is shuffled with
+        ``fold_in(fold_in(rng, k), e)``, whatever the arrival order.
+      mesh, source_axis, actor_axis: pipeline mode on several devices: sources
+        sharded over ``source_axis``, micro-batches over ``actor_axis``.
     """
 
     def __init__(
@@ -76,33 +85,59 @@ class TrajectoryCollector:
         sources: Sequence[tuple[int, int]] | None = None,
         step_id: int = 0,
         auto_flush: bool = True,
+        rng: jax.Array | None = None,
+        mesh: jax.sharding.Mesh | None = None,
+        source_axis: str = "sources",
+        actor_axis: str = "actor",
     ):
-        if plan.mode != "rollout":
-            raise ValueError(f"TrajectoryCollector supports mode='rollout', got {plan.mode!r}")
+        if plan.mode not in ("rollout", "pipeline"):
+            raise ValueError(
+                f"TrajectoryCollector supports mode 'rollout' or 'pipeline', got {plan.mode!r}"
+            )
         self.plan = plan
         self.auto_flush = auto_flush
         sources = [tuple(int(v) for v in s) for s in (sources or plan.default_sources())]
-        self._states = [
-            joiner.init(plan, policy_example, env_example, sources=s, step_id=step_id)
-            for s in sources
-        ]
+        self._pipeline = plan.mode == "pipeline"
+        if self._pipeline:  # one stacked state: the flush spans every source
+            state = joiner.init(plan, policy_example, env_example, sources=sources, step_id=step_id)
+            if mesh is not None:
+                state = pipeline.shard_state(state, mesh, source_axis)
+            self._states = [state]
+            self._pipeline_flush = pipeline.make_flush(
+                plan, mesh, source_axis=source_axis, actor_axis=actor_axis
+            )
+            self._rng = jax.random.PRNGKey(0) if rng is None else rng
+            self._flushed = np.zeros((plan.num_epochs,), bool)
+        else:  # one state per source: each flushes on its own, without a copy
+            self._states = [
+                joiner.init(plan, policy_example, env_example, sources=s, step_id=step_id)
+                for s in sources
+            ]
         self._sources = np.asarray(sources, np.int64).reshape(-1, 2)
         self._source_index = {src: i for i, src in enumerate(sources)}
         shape = (len(sources), plan.num_epochs, plan.num_chunks, plan.batch_size)
         self._rows = {PolicyPart: np.zeros(shape, bool), EnvPart: np.zeros(shape, bool)}
         self._step = np.full((len(sources),), step_id, np.int64)
         self._needs_final = self._states[0].policy.output.prev_values is not None
+        self._layout = (
+            jax.tree.map(lambda x: x[0], self._states[0]) if self._pipeline else self._states[0]
+        )
         self._checked: dict[Any, tuple] = {}  # part signature -> (rows, boundary flags)
 
     @property
     def state(self) -> joiner.CollectorState:
-        """A stacked copy of the per-source states (for inspection and checkpoints)."""
+        """The state as one stacked host copy (for inspection and checkpoints)."""
+        if self._pipeline:
+            return jax.tree.map(np.asarray, self._states[0])
         return jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *self._states)
 
     @property
     def states(self) -> tuple[joiner.CollectorState, ...]:
-        """The per-source single-source states, in source order."""
+        """The device states: one per source (rollout) or one stacked (pipeline)."""
         return tuple(self._states)
+
+    def _state_index(self, s: int) -> int:
+        return 0 if self._pipeline else s
 
     def current_step(self, env_rank: int = 0, stage_id: int = 0) -> int:
         """The training step a source currently accepts."""
@@ -129,9 +164,9 @@ class TrajectoryCollector:
                     lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], np.asarray(x).dtype), part
                 )
             if isinstance(part, PolicyPart):
-                flags = (joiner.policy_structure(self._states[0], view, key), False, False, False)
+                flags = (joiner.policy_structure(self._layout, view, key), False, False, False)
             else:
-                flags = joiner.env_structure(self._states[0], view, key)
+                flags = joiner.env_structure(self._layout, view, key)
             self._checked[sig] = flags
         return self._checked[sig]
 
@@ -183,7 +218,9 @@ class TrajectoryCollector:
         rows, has_initial, has_final, has_next = self._structure(part, True, keys[0])
         n = keys.shape[0]
         bs, off = np.broadcast_to(bs, (n,)), np.broadcast_to(off, (n,))
-        match = (self._sources[None, :, 0] == keys[:, 2:3]) & (self._sources[None, :, 1] == keys[:, 3:4])
+        match = (self._sources[None, :, 0] == keys[:, 2:3]) & (
+            self._sources[None, :, 1] == keys[:, 3:4]
+        )
         found, s = match.any(axis=1), match.argmax(axis=1)
         src = TrajectorySource(TrajectoryKey(*keys.T), bs, off)
         checks = slots.key_checks(np, self.plan, src, rows, found, self._step[s])
@@ -237,7 +274,8 @@ class TrajectoryCollector:
           CollectorError: the part is rejected; nothing changes.
         """
         s, e, t, off, rows = self._check_one(part)
-        self._states[s] = _ADD[type(part)](self.plan, self._states[s], part)
+        i = self._state_index(s)
+        self._states[i] = _ADD[type(part)](self.plan, self._states[i], part)
         self._rows[type(part)][s, e, t, off : off + rows] = True
         return self._flush_complete([s])
 
@@ -263,12 +301,15 @@ class TrajectoryCollector:
         owners = [self._check_stack(group, mirror) for group in groups]
         touched = set()
         for group, s_of in zip(groups, owners):
+            touched.update(int(s) for s in np.unique(s_of))
+            if self._pipeline:
+                self._states[0] = _ADD_MANY[type(group)](self.plan, self._states[0], group)
+                continue
             for s in np.unique(s_of):
                 sub = group
                 if len(np.unique(s_of)) > 1:
                     sub = jax.tree.map(lambda x, s=s: np.asarray(x)[s_of == s], group)
                 self._states[s] = _ADD_MANY[type(group)](self.plan, self._states[s], sub)
-                touched.add(int(s))
         self._rows = mirror
         return self._flush_complete(sorted(touched))
 
@@ -278,11 +319,13 @@ class TrajectoryCollector:
         return [tuple(int(v) for v in self._sources[s]) for s in np.flatnonzero(done)]
 
     def flush(self, env_rank: int = 0, stage_id: int = 0) -> tuple[str, Trajectory]:
-        """Flush one source's complete training step.
+        """Flush one source's complete training step (rollout mode).
 
         Raises:
           CollectorError: the step is incomplete (nothing changes).
         """
+        if self._pipeline:
+            raise ValueError("pipeline mode flushes epochs: use flush_epoch(epoch)")
         s = self._index(env_rank, stage_id)
         if (env_rank, stage_id) not in self.ready():
             missing = int((~(self._rows[PolicyPart][s] & self._rows[EnvPart][s])).sum())
@@ -297,9 +340,46 @@ class TrajectoryCollector:
         self._step[s] += 1
         return (self.plan.queue_key, traj)
 
+    def epochs_ready(self) -> list[int]:
+        """Pipeline mode: epochs complete across every source and not yet flushed."""
+        both = self._rows[PolicyPart] & self._rows[EnvPart]
+        done = both.all(axis=(0, 2, 3)) & ~self._flushed
+        return [int(e) for e in np.flatnonzero(done)]
+
+    def flush_epoch(self, epoch: int) -> list[tuple[str, pipeline.MicroBatches]]:
+        """Pipeline mode: flush a complete epoch as one item per Actor rank.
+
+        Returns:
+          ``[("actor_0", micro_batches_0), ...]``; each item's leaves are
+          ``[micro_batches, micro_batch_size, ...]``.
+
+        Raises:
+          CollectorError: the epoch is incomplete or already flushed (nothing changes).
+        """
+        if not self._pipeline:
+            raise ValueError("rollout mode flushes sources: use flush(env_rank, stage_id)")
+        if epoch not in self.epochs_ready():
+            key = (int(self._step[0]), epoch, -1, -1, -1)
+            raise CollectorError(
+                key, ErrorCode.INCOMPLETE_SCOPE, "epoch incomplete or already flushed"
+            )
+        # The shuffle key depends on (step, epoch) only, not on which epoch completed first.
+        sub = jax.random.fold_in(jax.random.fold_in(self._rng, int(self._step[0])), epoch)
+        self._states[0], batches = self._pipeline_flush(self._states[0], epoch, sub)
+        self._flushed[epoch] = True
+        if self._flushed.all():
+            self._flushed[:] = False
+            for mask in self._rows.values():
+                mask[:] = False
+            self._step += 1
+        R = self.plan.actor_ranks
+        return [(f"actor_{r}", jax.tree.map(lambda x, r=r: x[r], batches)) for r in range(R)]
+
     def _flush_complete(self, candidates: Iterable[int]) -> list[tuple[str, Trajectory]]:
         if not self.auto_flush:
             return []
+        if self._pipeline:
+            return [item for e in self.epochs_ready() for item in self.flush_epoch(e)]
         out = []
         for s in candidates:
             if (self._rows[PolicyPart][s] & self._rows[EnvPart][s]).all():

@@ -54,6 +54,7 @@ class CollectorState:
       policy_rows, env_rows: ``[E, T, B]`` bool, rows received per half.
       next_obs_given: ``[E, T, B]`` bool, rows with an explicit ``next_obs``
         (``collect_transitions`` only).
+      epochs_flushed: ``[E]`` bool, epochs pipeline mode has flushed this step.
       sources: ``[2]`` int32, the ``(env_rank, stage_id)`` this state holds.
       step: int32, the source's current training step.
       error_code, error_key, error_count: the first rejection under ``jit``, its key
@@ -66,6 +67,7 @@ class CollectorState:
     policy_rows: jax.Array
     env_rows: jax.Array
     next_obs_given: jax.Array | None
+    epochs_flushed: jax.Array
     sources: jax.Array
     step: jax.Array
     error_code: jax.Array
@@ -117,6 +119,7 @@ def _init_one(plan, policy_example, env_example, source, step_id) -> CollectorSt
         policy_rows=jnp.zeros((E, T, B), bool),
         env_rows=jnp.zeros((E, T, B), bool),
         next_obs_given=jnp.zeros((E, T, B), bool) if plan.collect_transitions else None,
+        epochs_flushed=jnp.zeros((E,), bool),
         sources=jnp.asarray(source, jnp.int32),
         step=jnp.asarray(step_id, jnp.int32),
         error_code=jnp.zeros((), jnp.int32),
@@ -169,7 +172,9 @@ def policy_structure(state: CollectorState, part: PolicyPart, key: Any = None) -
     """Check a policy half against the buffers (trace time); return its row count."""
     if not isinstance(part, PolicyPart):
         raise CollectorError(key, ErrorCode.STRUCTURE_MISMATCH, f"not a PolicyPart: {type(part)}")
-    return slots.check_payload("PolicyPart", part.replace(source=None), state.policy, _lead(state), key)
+    return slots.check_payload(
+        "PolicyPart", part.replace(source=None), state.policy, _lead(state), key
+    )
 
 
 def env_structure(
@@ -195,7 +200,9 @@ def env_structure(
                 ErrorCode.STRUCTURE_MISMATCH,
                 "EnvPart.final_values given, but the plan's examples carry no values",
             )
-        slots.check_payload("EnvPart.final_values", part.final_values, layout.final_values, lead, key)
+        slots.check_payload(
+            "EnvPart.final_values", part.final_values, layout.final_values, lead, key
+        )
     # A next_obs override is part of the contract; it is only retained with collect_transitions.
     has_next = part.next_obs is not None and layout.next_obs is not None
     if has_next:

@@ -6,6 +6,7 @@ import dataclasses
 
 MODES = ("rollout", "pipeline", "lerobot")
 NONFINITE = ("reject", "allow")
+ADVANTAGES = ("gae", "returns")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +29,18 @@ class TrajectoryPlan:
       env_reward_weight: weight of the environment reward in ``compute_rewards``.
       reward_model_weight: weight of ``EnvTransition.reward_model_output``.
       queue_key: the queue key flushed rollout items are routed to.
+      gamma: discount per chunk.
+      gae_lambda: GAE's lambda.
+      advantage: ``"gae"`` (needs values) or ``"returns"`` (critic-free: discounted
+        reward sums cut at dones).
+      normalize_advantages: pipeline mode normalises advantages over all valid rows
+        of all sources and devices.
+      auto_reset: environments reset themselves on done; without it, rows after an
+        environment's first done in an epoch are padding (masked out of the loss and
+        of the normalisation).
+      actor_ranks: pipeline mode packs micro-batches for this many Actor ranks.
+      micro_batch_size: samples per micro-batch (pipeline mode); ``0`` means the
+        whole epoch's samples in one micro-batch per rank.
     """
 
     num_chunks: int
@@ -41,6 +54,13 @@ class TrajectoryPlan:
     env_reward_weight: float = 1.0
     reward_model_weight: float = 1.0
     queue_key: str = "default"
+    gamma: float = 0.99
+    gae_lambda: float = 0.95
+    advantage: str = "gae"
+    normalize_advantages: bool = True
+    auto_reset: bool = True
+    actor_ranks: int = 1
+    micro_batch_size: int = 0
 
     def __post_init__(self):
         for name in ("num_chunks", "num_epochs", "batch_size", "num_env_ranks", "num_stages"):
@@ -49,6 +69,20 @@ class TrajectoryPlan:
                 raise ValueError(f"TrajectoryPlan.{name} must be a positive int, got {value!r}")
         if self.mode not in MODES:
             raise ValueError(f"TrajectoryPlan.mode must be one of {MODES}, got {self.mode!r}")
+        if self.advantage not in ADVANTAGES:
+            raise ValueError(
+                f"TrajectoryPlan.advantage must be one of {ADVANTAGES}, got {self.advantage!r}"
+            )
+        if not 0.0 <= self.gamma <= 1.0 or not 0.0 <= self.gae_lambda <= 1.0:
+            raise ValueError(
+                f"TrajectoryPlan.gamma and gae_lambda must lie in [0, 1], got "
+                f"{self.gamma!r} and {self.gae_lambda!r}"
+            )
+        if self.actor_ranks < 1 or self.micro_batch_size < 0:
+            raise ValueError(
+                f"TrajectoryPlan.actor_ranks must be >= 1 and micro_batch_size >= 0, got "
+                f"{self.actor_ranks!r} and {self.micro_batch_size!r}"
+            )
         if self.nonfinite not in NONFINITE:
             raise ValueError(
                 f"TrajectoryPlan.nonfinite must be one of {NONFINITE}, got {self.nonfinite!r}"

@@ -58,6 +58,7 @@ def flush(
             policy_rows=fresh(state.policy_rows),
             env_rows=fresh(state.env_rows),
             next_obs_given=fresh(state.next_obs_given),
+            epochs_flushed=fresh(state.epochs_flushed),
             step=state.step + 1,
         )
         return state, traj

@@ -224,7 +224,9 @@ def test_jitted_functions_record_error_and_keep_data(name, make, code):
     # when its source is unknown.
     codes = np.asarray(state.error_code)
     assert codes.max() == code and int(np.sum(state.error_count)) == 1
-    np.testing.assert_array_equal(np.asarray(state.error_key)[codes.argmax()], bad.source.key.as_tuple())
+    np.testing.assert_array_equal(
+        np.asarray(state.error_key)[codes.argmax()], bad.source.key.as_tuple()
+    )
     # Only the error record changed.
     strip = lambda s: s.replace(error_code=0, error_key=0, error_count=0)
     assert_same(strip(snapshot(state)), strip(before))

@@ -43,6 +43,7 @@ def test_public_names():
             "EnvPart",
             "EnvTransition",
             "ErrorCode",
+            "MicroBatches",
             "PolicyInput",
             "PolicyOutput",
             "PolicyPart",
@@ -52,6 +53,7 @@ def test_public_names():
             "TrajectoryKey",
             "TrajectoryPlan",
             "TrajectorySource",
+            "Targets",
             "TrajectoryStep",
             "add_env",
             "add_envs",
@@ -65,6 +67,7 @@ def test_public_names():
             "slot_complete",
             "source_complete",
             "stack_parts",
+            "trajectory_targets",
         ]
     )
     for name in jaxtraj.__all__:

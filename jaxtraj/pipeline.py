@@ -1,0 +1,228 @@
+"""Pipeline mode: advantage-ready micro-batches per Actor rank.
+
+Completion scope: one ``(step_id, epoch_id)`` across every source. The flush is one
+jitted function over the stacked state (sources ``[S, ...]``): it materialises the
+epoch of every source, computes advantages and returns with the same kernels the
+Actor uses in rollout mode (:func:`jaxtraj.targets.trajectory_targets`), normalises
+advantages over the valid rows of all sources (and devices), shuffles the samples
+with a caller-given PRNG key, and packs them for ``R`` Actor ranks::
+
+    leaves [R, micro_batches, micro_batch_size, ...]      loss_mask [R, MB, M]
+
+Sample ``i`` of the shuffled order (valid samples first) goes to rank ``i % R``, so
+padding spreads over the ranks; every valid sample appears exactly once with
+``loss_mask`` true. When the last epoch of a step is flushed, the step's coverage
+clears and every source moves to the next step.
+
+Given a ``jax.sharding.Mesh`` (:func:`make_flush`), the state's sources are sharded
+over one mesh axis and the micro-batches come out sharded over the ``actor`` axis;
+the computation is the same global program, so the results equal one device's.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxtraj import advantages as adv_lib
+from jaxtraj import joiner
+from jaxtraj.accumulator import materialize
+from jaxtraj.errors import ErrorCode
+from jaxtraj.joiner import CollectorState
+from jaxtraj.plan import TrajectoryPlan
+from jaxtraj.targets import trajectory_targets
+from jaxtraj.types import TrajectoryKey
+
+
+@struct.dataclass
+class MicroBatches:
+    """Samples of one epoch packed per Actor rank: every leaf ``[R, MB, M, ...]``.
+
+    A sample is one chunk of one environment. ``prev_values`` is ``V(s_t)``;
+    ``advantages`` are normalised when the plan says so; ``loss_mask`` is false on
+    padding (and on rows after a done without auto-reset). ``step_id`` and
+    ``epoch_id`` are ``[R]``.
+    """
+
+    obs: Any
+    actions: jax.Array
+    prev_logprobs: jax.Array | None
+    prev_values: jax.Array | None
+    versions: jax.Array | None
+    forward_inputs: Any
+    advantages: jax.Array
+    returns: jax.Array
+    rewards: jax.Array
+    loss_mask: jax.Array
+    step_id: jax.Array
+    epoch_id: jax.Array
+
+
+def packing(plan: TrajectoryPlan, num_samples: int) -> tuple[int, int]:
+    """``(micro_batches, micro_batch_size)`` for ``num_samples`` samples over the ranks."""
+    R = plan.actor_ranks
+    M = plan.micro_batch_size or math.ceil(num_samples / R)
+    return math.ceil(num_samples / (R * M)), M
+
+
+def ready(state: CollectorState, epoch: Any) -> jax.Array:
+    """Whether ``epoch`` of the current step is complete across every source and not
+    yet flushed."""
+    st = _stacked(state)
+    complete = jnp.all(joiner.slot_complete(st)[:, epoch])
+    return complete & ~jnp.any(st.epochs_flushed[:, epoch])
+
+
+def _stacked(state: CollectorState) -> CollectorState:
+    return state if state.stacked else jax.tree.map(lambda x: x[None], state)
+
+
+def _epoch_view(state: CollectorState, e: jax.Array) -> CollectorState:
+    """Every source's epoch ``e`` as a stacked state with ``E = 1``."""
+
+    def take(tree):
+        return jax.tree.map(lambda b: jax.lax.dynamic_slice_in_dim(b, e, 1, axis=1), tree)
+
+    return state.replace(
+        policy=take(state.policy),
+        env=take(state.env),
+        initial=take(state.initial),
+        next_obs_given=take(state.next_obs_given),
+    )
+
+
+def flush(
+    plan: TrajectoryPlan, state: CollectorState, epoch: Any, rng: jax.Array
+) -> tuple[CollectorState, MicroBatches]:
+    """Flush one epoch of every source as micro-batches per Actor rank.
+
+    Args:
+      plan: the static plan (``actor_ranks``, ``micro_batch_size``, advantage settings).
+      state: the stacked collector state (donate it).
+      epoch: the epoch to flush (int or traced int32).
+      rng: PRNG key for the shuffle.
+
+    Returns:
+      ``(state, micro_batches)``. An incomplete or already flushed epoch records
+      ``INCOMPLETE_SCOPE`` and changes nothing else; discard the micro-batches.
+    """
+    single = not state.stacked
+    state = _stacked(state)
+    e = jnp.asarray(epoch, jnp.int32)
+    ok = ready(state, e)
+    view = _epoch_view(state, e)
+    trajs = jax.vmap(lambda st: materialize(plan, st))(view)  # leaves [S, 1, T(+1), B, ...]
+    targets = jax.vmap(lambda tr: trajectory_targets(plan, tr))(trajs)  # [S, 1, T, B]
+
+    S, T, B = state.sources.shape[0], plan.num_chunks, plan.batch_size
+    N = S * T * B
+    flat = lambda x: x.reshape((N,) + x.shape[4:])  # [S, 1, T, B, ...] -> [N, ...]
+    valid = flat(targets.valid)
+    advantages = flat(targets.advantages)
+    if plan.normalize_advantages:
+        advantages = adv_lib.normalize_advantages(advantages, valid)
+    values = None if trajs.prev_values is None else flat(trajs.prev_values[:, :, :T])
+    samples = dict(
+        obs=jax.tree.map(flat, trajs.obs),
+        actions=flat(trajs.actions),
+        prev_logprobs=None if trajs.prev_logprobs is None else flat(trajs.prev_logprobs),
+        prev_values=values,
+        versions=None if trajs.versions is None else flat(trajs.versions),
+        forward_inputs=jax.tree.map(flat, trajs.forward_inputs),
+        advantages=advantages,
+        returns=flat(targets.returns),
+        rewards=flat(targets.rewards),
+    )
+
+    R = plan.actor_ranks
+    MB, M = packing(plan, N)
+    total = R * MB * M
+    order = jax.random.permutation(rng, N)
+    order = order[jnp.argsort(~valid[order], stable=True)]  # valid samples first
+    # Padding slots point one past the end: the gather clamps them, the mask drops them.
+    index = jnp.concatenate([order, jnp.full((total - N,), N, order.dtype)])
+    mask = jnp.concatenate([valid, jnp.zeros((1,), bool)])
+
+    def pack(x):  # [N, ...] -> [R, MB, M, ...]; sample i goes to rank i % R
+        x = x.at[index].get(mode="clip").reshape((MB, M, R) + x.shape[1:])
+        return jnp.moveaxis(x, 2, 0)
+
+    per_rank = lambda v: jnp.full((R,), v, jnp.int32)
+    batches = MicroBatches(
+        **jax.tree.map(pack, samples),
+        loss_mask=pack(mask),  # index N: the padding entry
+        step_id=per_rank(state.step[0]),
+        epoch_id=per_rank(e),
+    )
+
+    flushed = state.epochs_flushed.at[:, e].set(state.epochs_flushed[:, e] | ok)
+    step_done = jnp.all(flushed)
+    keep = lambda rows: jnp.where(step_done, False, rows)
+    new = state.replace(
+        epochs_flushed=keep(flushed),
+        policy_rows=keep(state.policy_rows),
+        env_rows=keep(state.env_rows),
+        next_obs_given=None if state.next_obs_given is None else keep(state.next_obs_given),
+        step=state.step + step_done.astype(jnp.int32),
+    )
+    key = TrajectoryKey(state.step[0], e, -1, -1, -1)
+    code = jnp.where(ok, 0, int(ErrorCode.INCOMPLETE_SCOPE)).astype(jnp.int32)
+    new = joiner.record_error(new, code, key, 0)
+    if single:
+        new = jax.tree.map(lambda x: x[0], new)
+    return new, batches
+
+
+def make_flush(
+    plan: TrajectoryPlan,
+    mesh: Mesh | None = None,
+    *,
+    source_axis: str = "sources",
+    actor_axis: str = "actor",
+):
+    """The jitted pipeline flush ``(state, epoch, rng) -> (state, micro_batches)``.
+
+    Without a mesh: ``jax.jit`` with the state donated. With one: the state's sources
+    are sharded over ``source_axis`` (place it with :func:`shard_state`) and every
+    micro-batch leaf comes out sharded over ``actor_axis`` on its leading rank axis.
+
+    Raises:
+      ValueError: a named axis is not in the mesh, or ``actor_ranks`` does not
+        divide over the actor axis.
+    """
+    fn = functools.partial(flush, plan)
+    if mesh is None:
+        return jax.jit(fn, donate_argnums=0)
+    for name, axis in (("source_axis", source_axis), ("actor_axis", actor_axis)):
+        if axis not in mesh.axis_names:
+            raise ValueError(f"{name}={axis!r} is not an axis of the mesh {dict(mesh.shape)}")
+    if plan.actor_ranks % mesh.shape[actor_axis]:
+        raise ValueError(
+            f"actor_ranks={plan.actor_ranks} does not divide over the mesh axis "
+            f"{actor_axis!r} of size {mesh.shape[actor_axis]}"
+        )
+    state_sharding = NamedSharding(mesh, P(source_axis))
+    out = (state_sharding, NamedSharding(mesh, P(actor_axis)))
+    return jax.jit(fn, donate_argnums=0, out_shardings=out)
+
+
+def shard_state(state: CollectorState, mesh: Mesh, source_axis: str = "sources") -> CollectorState:
+    """Place a stacked state on ``mesh`` with its sources sharded over ``source_axis``."""
+    if source_axis not in mesh.axis_names:
+        raise ValueError(
+            f"source_axis={source_axis!r} is not an axis of the mesh {dict(mesh.shape)}"
+        )
+    S, n = state.sources.shape[0], mesh.shape[source_axis]
+    if not state.stacked or S % n:
+        raise ValueError(
+            f"the state's {S if state.stacked else 1} source(s) do not divide over the mesh "
+            f"axis {source_axis!r} of size {n}"
+        )
+    return jax.device_put(state, NamedSharding(mesh, P(source_axis)))

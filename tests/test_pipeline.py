@@ -1,0 +1,131 @@
+"""Pipeline mode: micro-batches per Actor rank, and the same numbers as rollout mode."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from helpers import PLAN, B, E, T, all_parts, env_part, policy_part
+from test_core import reference
+
+import jaxtraj
+from jaxtraj import CollectorError
+from jaxtraj.targets import trajectory_targets
+
+PIPE = dataclasses.replace(PLAN, mode="pipeline", actor_ranks=2, micro_batch_size=5)
+S = PIPE.num_sources
+
+
+def sample_ids(mb):
+    """(tag, row) of each sample: tokens hold the chunk's tag, state[0] = tag + row."""
+    tag = np.asarray(mb.forward_inputs["tokens"])[..., 0]
+    row = np.asarray(mb.obs["state"])[..., 0] - tag
+    return tag, row.round().astype(int)
+
+
+def by_epoch(out):
+    """Items grouped by epoch (epochs complete, and flush, in arrival order)."""
+    groups = {}
+    for _, mb in out:
+        groups.setdefault(int(mb.epoch_id), []).append(mb)
+    return [groups[e] for e in sorted(groups)]
+
+
+def collect(plan=PIPE, order_seed=0):
+    c = jaxtraj.TrajectoryCollector(plan, policy_part(0), env_part(0), rng=jax.random.PRNGKey(3))
+    parts = all_parts(0) + all_parts(1)
+    rng = np.random.default_rng(order_seed)
+    out = []
+    for i in rng.permutation(len(parts)):
+        out += c.add(parts[i])
+    return c, out
+
+
+def rollout_targets(plan):
+    """Advantages the Actor computes from rollout-mode trajectories, by (tag, row)."""
+    table = {}
+    for r in range(S):
+        tr = reference(r)
+        tg = trajectory_targets(plan, tr)
+        for e in range(E):
+            for t in range(T):
+                for b in range(B):
+                    tag = 100 * r + 10 * e + t
+                    table[(tag, b)] = (float(tg.advantages[e, t, b]), float(tg.returns[e, t, b]))
+    return table
+
+
+def test_packing_covers_every_sample_once():
+    c, out = collect()
+    assert [k for k, _ in out] == ["actor_0", "actor_1"] * E
+    MB, M = jaxtraj.pipeline.packing(PIPE, S * T * B)
+    for epoch, items in enumerate(by_epoch(out)):
+        seen = []
+        for mb in items:
+            assert mb.actions.shape[:2] == (MB, M)
+            assert mb.loss_mask.shape == (MB, M)
+            assert int(mb.epoch_id) == epoch and int(mb.step_id) == 0
+            tag, row = sample_ids(mb)
+            mask = np.asarray(mb.loss_mask)
+            seen += list(zip(tag[mask].tolist(), row[mask].tolist()))
+        expect = [
+            (100 * r + 10 * epoch + t, b) for r in range(S) for t in range(T) for b in range(B)
+        ]
+        assert sorted(seen) == sorted(expect)  # each valid sample exactly once
+        assert sum(int(np.asarray(mb.loss_mask).sum()) for mb in items) == S * T * B
+    assert c.current_step(0) == 1 and c.current_step(1) == 1
+
+
+def test_pipeline_equals_rollout_mode_targets():
+    plan = dataclasses.replace(PIPE, normalize_advantages=False)
+    _, out = collect(plan)
+    table = rollout_targets(plan)
+    for _, mb in out:
+        tag, row = sample_ids(mb)
+        mask = np.asarray(mb.loss_mask)
+        got_a, got_r = np.asarray(mb.advantages)[mask], np.asarray(mb.returns)[mask]
+        want = np.array([table[(t, r)] for t, r in zip(tag[mask], row[mask])])
+        np.testing.assert_allclose(got_a, want[:, 0], rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(got_r, want[:, 1], rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(
+            got_r - got_a, np.asarray(mb.prev_values)[mask], rtol=1e-5, atol=1e-5
+        )
+
+
+def test_global_normalisation_over_valid_rows():
+    _, out = collect()
+    raw = rollout_targets(dataclasses.replace(PIPE, normalize_advantages=False))
+    for items in by_epoch(out):
+        a = np.concatenate([np.asarray(mb.advantages)[np.asarray(mb.loss_mask)] for mb in items])
+        np.testing.assert_allclose([a.mean(), a.std()], [0.0, 1.0], atol=1e-4)
+        ids = [
+            (t, r)
+            for mb in items
+            for t, r in zip(*(x[np.asarray(mb.loss_mask)] for x in sample_ids(mb)))
+        ]
+        un = np.array([raw[i][0] for i in ids])
+        np.testing.assert_allclose(a, (un - un.mean()) / (un.std() + 1e-8), rtol=1e-4, atol=1e-4)
+
+
+def test_shuffle_depends_on_the_key_only():
+    _, a = collect(order_seed=0)
+    _, b = collect(order_seed=1)  # another arrival order, the same key
+    for xs, ys in zip(by_epoch(a), by_epoch(b)):
+        for x, y in zip(xs, ys):
+            np.testing.assert_array_equal(sample_ids(x)[0], sample_ids(y)[0])
+
+
+def test_incomplete_epoch_and_bad_mesh():
+    c = jaxtraj.TrajectoryCollector(PIPE, policy_part(0), env_part(0))
+    for p in all_parts(0):
+        assert c.add(p) == []  # source 1 missing: no epoch is complete
+    with pytest.raises(CollectorError, match="incomplete"):
+        c.flush_epoch(0)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    with pytest.raises(ValueError, match="'actor' is not an axis"):
+        jaxtraj.pipeline.make_flush(PIPE, mesh, source_axis="data")
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("sources", "actor"))
+    odd = dataclasses.replace(PIPE, actor_ranks=3)
+    jaxtraj.pipeline.make_flush(odd, mesh)  # 3 ranks over an axis of size 1 is fine
