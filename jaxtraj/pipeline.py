@@ -84,20 +84,6 @@ def _stacked(state: CollectorState) -> CollectorState:
     return state if state.stacked else jax.tree.map(lambda x: x[None], state)
 
 
-def _epoch_view(state: CollectorState, e: jax.Array) -> CollectorState:
-    """Every source's epoch ``e`` as a stacked state with ``E = 1``."""
-
-    def take(tree):
-        return jax.tree.map(lambda b: jax.lax.dynamic_slice_in_dim(b, e, 1, axis=1), tree)
-
-    return state.replace(
-        policy=take(state.policy),
-        env=take(state.env),
-        initial=take(state.initial),
-        next_obs_given=take(state.next_obs_given),
-    )
-
-
 def flush(
     plan: TrajectoryPlan, state: CollectorState, epoch: Any, rng: jax.Array
 ) -> tuple[CollectorState, MicroBatches]:
@@ -117,28 +103,30 @@ def flush(
     state = _stacked(state)
     e = jnp.asarray(epoch, jnp.int32)
     ok = ready(state, e)
-    view = _epoch_view(state, e)
-    trajs = jax.vmap(lambda st: materialize(plan, st))(view)  # leaves [S, 1, T(+1), B, ...]
-    targets = jax.vmap(lambda tr: trajectory_targets(plan, tr))(trajs)  # [S, 1, T, B]
+    # Materialise every epoch without slicing: the per-chunk fields are the buffers
+    # themselves, so the only copy of the big fields is the final gather.
+    trajs = jax.vmap(lambda st: materialize(plan, st))(state)  # [S, E, T(+1), B, ...]
+    targets = jax.vmap(lambda tr: trajectory_targets(plan, tr))(trajs)  # [S, E, T, B]
 
-    S, T, B = state.sources.shape[0], plan.num_chunks, plan.batch_size
-    N = S * T * B
-    flat = lambda x: x.reshape((N,) + x.shape[4:])  # [S, 1, T, B, ...] -> [N, ...]
-    valid = flat(targets.valid)
-    advantages = flat(targets.advantages)
+    S, E, T, B = state.sources.shape[0], plan.num_epochs, plan.num_chunks, plan.batch_size
+    N = S * T * B  # samples of one epoch
+    flat = lambda x: x.reshape((S * E * T * B,) + x.shape[4:])  # [S, E, T, B, ...] -> rows
+    # Row of epoch-local sample n = (s, t, b) in the flattened buffers.
+    s_i, t_i, b_i = jnp.unravel_index(jnp.arange(N), (S, T, B))
+    rows = ((s_i * E + e) * T + t_i) * B + b_i
+    valid = flat(targets.valid)[rows]
+    advantages = flat(targets.advantages)[rows]
     if plan.normalize_advantages:
         advantages = adv_lib.normalize_advantages(advantages, valid)
-    values = None if trajs.prev_values is None else flat(trajs.prev_values[:, :, :T])
     samples = dict(
-        obs=jax.tree.map(flat, trajs.obs),
-        actions=flat(trajs.actions),
-        prev_logprobs=None if trajs.prev_logprobs is None else flat(trajs.prev_logprobs),
-        prev_values=values,
-        versions=None if trajs.versions is None else flat(trajs.versions),
-        forward_inputs=jax.tree.map(flat, trajs.forward_inputs),
-        advantages=advantages,
-        returns=flat(targets.returns),
-        rewards=flat(targets.rewards),
+        obs=trajs.obs,
+        actions=trajs.actions,
+        prev_logprobs=trajs.prev_logprobs,
+        prev_values=None if trajs.prev_values is None else trajs.prev_values[:, :, :T],
+        versions=trajs.versions,
+        forward_inputs=trajs.forward_inputs,
+        returns=targets.returns,
+        rewards=targets.rewards,
     )
 
     R = plan.actor_ranks
@@ -147,17 +135,20 @@ def flush(
     order = jax.random.permutation(rng, N)
     order = order[jnp.argsort(~valid[order], stable=True)]  # valid samples first
     # Padding slots point one past the end: the gather clamps them, the mask drops them.
-    index = jnp.concatenate([order, jnp.full((total - N,), N, order.dtype)])
+    slot = jnp.concatenate([order, jnp.full((total - N,), N, order.dtype)])
+    index = rows.at[slot].get(mode="clip")
+
+    def arrange(x):  # [total, ...] -> [R, MB, M, ...]; sample i goes to rank i % R
+        return jnp.moveaxis(x.reshape((MB, M, R) + x.shape[1:]), 2, 0)
+
+    gather = lambda x: arrange(flat(x).at[index].get(mode="clip"))
+    local = lambda x: arrange(x.at[slot].get(mode="clip"))  # epoch-local [N] arrays
     mask = jnp.concatenate([valid, jnp.zeros((1,), bool)])
-
-    def pack(x):  # [N, ...] -> [R, MB, M, ...]; sample i goes to rank i % R
-        x = x.at[index].get(mode="clip").reshape((MB, M, R) + x.shape[1:])
-        return jnp.moveaxis(x, 2, 0)
-
     per_rank = lambda v: jnp.full((R,), v, jnp.int32)
     batches = MicroBatches(
-        **jax.tree.map(pack, samples),
-        loss_mask=pack(mask),  # index N: the padding entry
+        **jax.tree.map(gather, samples),
+        advantages=local(advantages),
+        loss_mask=local(mask),  # index N: the padding entry
         step_id=per_rank(state.step[0]),
         epoch_id=per_rank(e),
     )

@@ -1,0 +1,422 @@
+"""GAE kernels: jaxtraj against its peers and a memory copy, side by side in one process.
+
+For each ``[T, B]`` (time-major, ``B`` trajectories) the same float32 rewards ``[T, B]``,
+values ``[T+1, B]`` and boolean dones ``[T+1, B]`` go to every implementation, which returns
+advantages and returns ``[T, B]`` (RLinf's recurrence; see ``jaxtraj.advantages``):
+
+- ``jaxtraj auto`` and each ``jaxtraj`` method (``inplace``, ``scan``, ``associative``);
+- ``rlax``: ``rlax.truncated_generalized_advantage_estimation`` under ``jax.vmap`` over B,
+  with ``discount_t = gamma * (1 - d_{t+1})``, returns added in the same jitted function;
+- ``lax.scan (Brax)`` and ``lax.scan (PureJaxRL)``: the Brax/PureJaxRL idiom, a reverse
+  ``lax.scan`` over ``(done, value, reward)`` carrying ``(gae, next_value)``; plain, and with
+  ``unroll=16`` as PureJaxRL has it;
+- ``numpy loop``: a reverse Python loop over T, vectorised over B;
+- ``torch loop (RLinf)``: the same loop on torch CPU tensors, RLinf's style;
+- ``torchrl``: ``torchrl.objectives.value.functional.generalized_advantage_estimate``, given
+  its native batch-first ``[B, T, 1]`` layout (the transposes are not timed);
+- ``copy (numpy)``: ``np.copyto`` of rewards, values and dones into preallocated arrays of
+  the same size, the bytes GAE must read, written once; ``copy (jax)``: the same copy as a
+  jitted function, which, like every JAX kernel here, allocates fresh output buffers.
+
+A peer that is not installed is reported as ``missing``. Every output is checked against
+the NumPy loop (``assert_allclose``, float32 tolerance) before it is timed. Compile time
+(``jit(...).lower(...).compile()``) is reported apart from run time, which is the median of
+several calls after a warm-up, each ended by ``block_until_ready``; calls of different
+implementations are interleaved so that drift in the machine's speed hits all alike.
+
+JAX's CPU client normally runs a computation on a worker thread; on small machines waking
+that thread adds tens of microseconds of noise to every call. The benchmark therefore
+disables CPU async dispatch (``jax_cpu_enable_async_dispatch``) for all JAX rows alike;
+``--async-dispatch`` keeps the default.
+
+    python benchmarks/gae.py [--quick] [--min-time 1.0]
+
+Writes ``benchmarks/results/gae.json`` (``gae_quick.json`` with ``--quick``) and prints a
+table: time in ms and the ratios to both copies and to the fastest peer (jaxtraj rows and
+copies excluded from "peer").
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.metadata
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxtraj import advantages
+
+SIZES = [(64, 256), (256, 4096), (512, 16384), (2048, 64)]
+QUICK_SIZES = [(16, 32), (64, 256), (128, 1024)]
+GAMMA, LAM = 0.99, 0.95
+JAXTRAJ = ["jaxtraj auto"] + [f"jaxtraj {m}" for m in advantages.METHODS]
+COPIES = ["copy (numpy)", "copy (jax)"]
+
+
+class Missing(Exception):
+    """A peer that is not installed (or does not import)."""
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def make_data(T: int, B: int, seed: int, done_prob: float):
+    rng = np.random.default_rng(seed)
+    rewards = rng.standard_normal((T, B), dtype=np.float32)
+    values = rng.standard_normal((T + 1, B), dtype=np.float32)
+    dones = rng.random((T + 1, B)) < done_prob
+    return rewards, values, dones
+
+
+def numpy_loop(rewards, values, dones, gamma=GAMMA, lam=LAM):
+    """The reference: a reverse loop over time, vectorised over the batch."""
+    T = rewards.shape[0]
+    adv = np.empty_like(rewards)
+    a = np.zeros_like(rewards[0])
+    for t in range(T - 1, -1, -1):
+        not_done = 1.0 - dones[t + 1].astype(np.float32)
+        delta = rewards[t] + gamma * values[t + 1] * not_done - values[t]
+        a = delta + gamma * lam * not_done * a
+        adv[t] = a
+    return adv, adv + values[:-1]
+
+
+# ----------------------------------------------------------------------------- peers
+#
+# Each factory takes the NumPy inputs and returns (run, to_numpy): ``run()`` computes
+# advantages and returns on inputs already in the peer's native form and blocks until they
+# are ready; ``to_numpy(out)`` converts its result to NumPy ``(adv [T, B], ret [T, B])``.
+# A factory for a JAX peer also returns its jitted function and device arguments, for the
+# compile-time measurement.
+
+
+def _jax_peer(fn, rewards, values, dones):
+    args = tuple(jnp.asarray(x) for x in (rewards, values, dones))
+    jitted = jax.jit(fn)
+
+    def run():
+        return jax.block_until_ready(jitted(*args))
+
+    def to_numpy(out):
+        return tuple(np.asarray(x) for x in out[:2])
+
+    return run, to_numpy, (jitted, args)
+
+
+def jaxtraj_peer(method):
+    def factory(rewards, values, dones):
+        fn = functools.partial(advantages.gae, gamma=GAMMA, lam=LAM, method=method)
+        return _jax_peer(fn, rewards, values, dones)
+
+    return factory
+
+
+def rlax_peer(rewards, values, dones):
+    try:
+        import rlax
+    except Exception as e:  # noqa: BLE001 - report any import failure as missing
+        raise Missing(f"{type(e).__name__}: {e}") from e
+    gae_b = jax.vmap(
+        rlax.truncated_generalized_advantage_estimation, in_axes=(1, 1, None, 1), out_axes=1
+    )
+
+    def fn(r, v, d):
+        discount = GAMMA * (1.0 - d[1:].astype(r.dtype))
+        adv = gae_b(r, discount, LAM, v)
+        return adv, adv + v[:-1]
+
+    return _jax_peer(fn, rewards, values, dones)
+
+
+def lax_scan_peer(unroll):
+    """A reverse ``lax.scan``: Brax's ``compute_gae`` idiom, PureJaxRL's with ``unroll=16``."""
+
+    def factory(rewards, values, dones):
+        return _jax_peer(functools.partial(_lax_scan_gae, unroll=unroll), rewards, values, dones)
+
+    return factory
+
+
+def _lax_scan_gae(r, v, d, unroll):
+    def step(carry, x):
+        gae, next_value = carry
+        done, value, reward = x
+        not_done = 1.0 - done.astype(reward.dtype)
+        delta = reward + GAMMA * next_value * not_done - value
+        gae = delta + GAMMA * LAM * not_done * gae
+        return (gae, value), gae
+
+    init = (jnp.zeros_like(v[-1]), v[-1])
+    _, adv = lax.scan(step, init, (d[1:], v[:-1], r), reverse=True, unroll=unroll)
+    return adv, adv + v[:-1]
+
+
+def numpy_peer(rewards, values, dones):
+    return (lambda: numpy_loop(rewards, values, dones)), (lambda out: out), None
+
+
+def _torch():
+    try:
+        import torch
+    except Exception as e:  # noqa: BLE001
+        raise Missing(f"{type(e).__name__}: {e}") from e
+    return torch
+
+
+def torch_loop_peer(rewards, values, dones):
+    torch = _torch()
+    r, v = torch.from_numpy(rewards), torch.from_numpy(values)
+    d = torch.from_numpy(dones)
+
+    def run():
+        T = r.shape[0]
+        adv = torch.zeros_like(r)
+        gae = torch.zeros_like(r[0])
+        not_done = 1.0 - d.float()
+        for t in reversed(range(T)):
+            delta = r[t] + GAMMA * v[t + 1] * not_done[t + 1] - v[t]
+            gae = delta + GAMMA * LAM * not_done[t + 1] * gae
+            adv[t] = gae
+        return adv, adv + v[:-1]
+
+    return run, (lambda out: tuple(x.numpy() for x in out)), None
+
+
+def torchrl_peer(rewards, values, dones):
+    torch = _torch()
+    try:
+        from torchrl.objectives.value.functional import generalized_advantage_estimate
+    except Exception as e:  # noqa: BLE001
+        raise Missing(f"{type(e).__name__}: {e}") from e
+
+    def batch_first(x):  # [T, B] -> [B, T, 1], contiguous
+        return torch.from_numpy(np.ascontiguousarray(x.T)[..., None])
+
+    value, next_value = batch_first(values[:-1]), batch_first(values[1:])
+    reward, done = batch_first(rewards), batch_first(dones[1:])
+
+    def run():
+        return generalized_advantage_estimate(
+            GAMMA, LAM, value, next_value, reward, done, done, time_dim=-2
+        )
+
+    def to_numpy(out):
+        return tuple(x[..., 0].numpy().T for x in out)
+
+    return run, to_numpy, None
+
+
+def numpy_copy_peer(rewards, values, dones):
+    outs = [np.empty_like(x) for x in (rewards, values, dones)]
+
+    def run():
+        for src, dst in zip((rewards, values, dones), outs, strict=True):
+            np.copyto(dst, src)
+        return outs
+
+    return run, None, None
+
+
+def jax_copy_peer(rewards, values, dones):
+    fn = lambda r, v, d: (jnp.copy(r), jnp.copy(v), jnp.copy(d))
+    run, _, compile_args = _jax_peer(fn, rewards, values, dones)
+    return run, None, compile_args
+
+
+PEERS: dict[str, Callable[..., Any]] = {
+    **{name: jaxtraj_peer(name.split()[1]) for name in JAXTRAJ},
+    "rlax (vmap)": rlax_peer,
+    "lax.scan (Brax)": lax_scan_peer(1),
+    "lax.scan (PureJaxRL)": lax_scan_peer(16),
+    "numpy loop": numpy_peer,
+    "torch loop (RLinf)": torch_loop_peer,
+    "torchrl": torchrl_peer,
+    "copy (numpy)": numpy_copy_peer,
+    "copy (jax)": jax_copy_peer,
+}
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+def measure_size(T: int, B: int, args) -> list[dict]:
+    rewards, values, dones = make_data(T, B, args.seed, args.done_prob)
+    ref_adv, ref_ret = numpy_loop(rewards, values, dones)
+    rows, runs = [], {}
+    for name, factory in PEERS.items():
+        row = {"peer": name, "T": T, "B": B, "status": "ok"}
+        rows.append(row)
+        try:
+            run, to_numpy, compile_args = factory(rewards, values, dones)
+        except Missing as e:
+            row.update(status="missing", reason=str(e))
+            continue
+        if compile_args is not None:
+            jitted, jargs = compile_args
+            t0 = time.perf_counter()
+            jitted.lower(*jargs).compile()
+            row["compile_ms"] = 1e3 * (time.perf_counter() - t0)
+        out = run()  # warm-up (and, under jit, the first compile of the call path)
+        if to_numpy is not None:
+            adv, ret = to_numpy(out)
+            np.testing.assert_allclose(adv, ref_adv, rtol=1e-4, atol=1e-4, err_msg=name)
+            np.testing.assert_allclose(ret, ref_ret, rtol=1e-4, atol=1e-4, err_msg=name)
+        del out
+        t0 = time.perf_counter()
+        run()
+        first = time.perf_counter() - t0
+        n = int(min(args.max_reps, max(args.min_reps, args.min_time / max(first, 1e-6))))
+        runs[name] = (run, n, [first])
+    # Interleaved rounds: implementation i takes part in the first n_i rounds.
+    for k in range(max((n for _, n, _ in runs.values()), default=0)):
+        for run, n, samples in runs.values():
+            if k < n:
+                t0 = time.perf_counter()
+                run()
+                samples.append(time.perf_counter() - t0)
+    for row in rows:
+        if row["peer"] in runs:
+            samples = runs[row["peer"]][2]
+            row.update(
+                run_ms=1e3 * statistics.median(samples),
+                run_ms_min=1e3 * min(samples),
+                run_ms_p25=1e3 * float(np.percentile(samples, 25)),
+                run_ms_p75=1e3 * float(np.percentile(samples, 75)),
+                reps=len(samples),
+            )
+    ok = {r["peer"]: r["run_ms"] for r in rows if r["status"] == "ok"}
+    peers = {k: t for k, t in ok.items() if k not in JAXTRAJ and k not in COPIES}
+    best = min(peers, key=peers.get) if peers else None
+    for row in rows:
+        if row["status"] != "ok":
+            continue
+        for key, ref in (("vs_copy_numpy", "copy (numpy)"), ("vs_copy_jax", "copy (jax)")):
+            if ref in ok:
+                row[key] = row["run_ms"] / ok[ref]
+        if best is not None:
+            row["vs_best_peer"] = row["run_ms"] / peers[best]
+            row["best_peer"] = best
+    return rows
+
+
+def machine_info(args) -> dict:
+    def version(dist):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
+    except (OSError, StopIteration):
+        pass
+    info = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "jax_backend": jax.default_backend(),
+        "jax_devices": [str(d) for d in jax.devices()],
+        "jax_cpu_async_dispatch": bool(args.async_dispatch),
+        "versions": {d: version(d) for d in ("jax", "jaxlib", "numpy", "rlax", "torch", "torchrl")},
+    }
+    try:
+        import torch
+
+        info["torch_threads"] = torch.get_num_threads()
+    except Exception:  # noqa: BLE001
+        pass
+    return info
+
+
+def print_table(rows: list[dict]) -> None:
+    head = (
+        f"{'implementation':<22} {'compile ms':>10} {'run ms':>9} {'/copy np':>9} "
+        f"{'/copy jax':>9} {'/best peer':>10}"
+    )
+    T, B = rows[0]["T"], rows[0]["B"]
+    best = next((r.get("best_peer") for r in rows if r.get("best_peer")), None)
+    print(f"\n[T, B] = [{T}, {B}]   (best peer: {best})")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        if r["status"] != "ok":
+            print(f"{r['peer']:<22} missing: {r.get('reason', '')[:60]}")
+            continue
+        f = lambda key, fmt: format(r[key], fmt) if key in r else format("-", ">" + fmt.split(".")[0])
+        print(
+            f"{r['peer']:<22} {f('compile_ms', '10.1f')} {f('run_ms', '9.3f')} "
+            f"{f('vs_copy_numpy', '9.2f')} {f('vs_copy_jax', '9.2f')} {f('vs_best_peer', '10.2f')}"
+        )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="small sizes, a smoke test")
+    p.add_argument("--sizes", help="override sizes, e.g. 64x256,2048x64")
+    p.add_argument("--min-time", type=float, default=1.0, help="seconds of runs per entry")
+    p.add_argument("--min-reps", type=int, default=7)
+    p.add_argument("--max-reps", type=int, default=400)
+    p.add_argument("--done-prob", type=float, default=0.05)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--async-dispatch", action="store_true", help="keep JAX's CPU async dispatch")
+    p.add_argument("--out", help="JSON path (default benchmarks/results/gae[_quick].json)")
+    args = p.parse_args()
+    jax.config.update("jax_cpu_enable_async_dispatch", bool(args.async_dispatch))
+    if args.sizes:
+        sizes = [tuple(int(n) for n in s.split("x")) for s in args.sizes.split(",")]
+    else:
+        sizes = QUICK_SIZES if args.quick else SIZES
+    if args.quick:
+        args.min_time = min(args.min_time, 0.1)
+    info = machine_info(args)
+    print(
+        f"{info['cpu']} x{info['cpu_count']}, {info['platform']}, jax {info['versions']['jax']} "
+        f"on {info['jax_backend']} (async dispatch {'on' if args.async_dispatch else 'off'})"
+    )
+    results = []
+    for T, B in sizes:
+        rows = measure_size(T, B, args)
+        print_table(rows)
+        results.extend(rows)
+    out = args.out or os.path.join(
+        os.path.dirname(os.path.abspath(__file__)),
+        "results",
+        "gae_quick.json" if args.quick else "gae.json",
+    )
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    payload = {
+        "benchmark": "gae",
+        "machine": info,
+        "settings": {
+            "gamma": GAMMA,
+            "lam": LAM,
+            "done_prob": args.done_prob,
+            "dtype": "float32",
+            "min_time_s": args.min_time,
+            "min_reps": args.min_reps,
+            "max_reps": args.max_reps,
+            "statistic": "median",
+            "sizes": [list(s) for s in sizes],
+        },
+        "results": results,
+    }
+    with open(out, "w") as f:
+        json.dump(payload, f, indent=1)
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
