@@ -15,7 +15,6 @@ Writes ``benchmarks/results/pipeline.json``.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
