@@ -21,8 +21,9 @@ advantages and returns ``[T, B]`` (RLinf's recurrence; see ``jaxtraj.advantages`
 A peer that is not installed is reported as ``missing``. Every output is checked against
 the NumPy loop (``assert_allclose``, float32 tolerance) before it is timed. Compile time
 (``jit(...).lower(...).compile()``) is reported apart from run time, which is the median of
-several calls after a warm-up, each ended by ``block_until_ready``; calls of different
-implementations are interleaved so that drift in the machine's speed hits all alike.
+several calls after a warm-up, each ended by ``block_until_ready``; the calls run in
+blocks per implementation, and the blocks of all implementations alternate over several
+passes, so that drift in the machine's speed hits all alike.
 
 JAX's CPU client normally runs a computation on a worker thread; on small machines waking
 that thread adds tens of microseconds of noise to every call. The benchmark therefore
@@ -277,10 +278,13 @@ def measure_size(T: int, B: int, args) -> list[dict]:
         first = time.perf_counter() - t0
         n = int(min(args.max_reps, max(args.min_reps, args.min_time / max(first, 1e-6))))
         runs[name] = (run, n, [first])
-    # Interleaved rounds: implementation i takes part in the first n_i rounds.
-    for k in range(max((n for _, n, _ in runs.values()), default=0)):
+    # Interleaved passes: in each, every implementation runs a block of consecutive calls
+    # (its first call after a switch is dropped: it pays for the caches the previous
+    # implementation left behind), so drift in the machine's speed hits all alike.
+    for _ in range(args.passes):
         for run, n, samples in runs.values():
-            if k < n:
+            run()
+            for _ in range(-(-n // args.passes)):
                 t0 = time.perf_counter()
                 run()
                 samples.append(time.perf_counter() - t0)
@@ -355,7 +359,9 @@ def print_table(rows: list[dict]) -> None:
         if r["status"] != "ok":
             print(f"{r['peer']:<22} missing: {r.get('reason', '')[:60]}")
             continue
-        f = lambda key, fmt: format(r[key], fmt) if key in r else format("-", ">" + fmt.split(".")[0])
+        f = lambda key, fmt: (
+            format(r[key], fmt) if key in r else format("-", ">" + fmt.split(".")[0])
+        )
         print(
             f"{r['peer']:<22} {f('compile_ms', '10.1f')} {f('run_ms', '9.3f')} "
             f"{f('vs_copy_numpy', '9.2f')} {f('vs_copy_jax', '9.2f')} {f('vs_best_peer', '10.2f')}"
@@ -369,6 +375,7 @@ def main() -> None:
     p.add_argument("--min-time", type=float, default=1.0, help="seconds of runs per entry")
     p.add_argument("--min-reps", type=int, default=7)
     p.add_argument("--max-reps", type=int, default=400)
+    p.add_argument("--passes", type=int, default=5, help="interleaved passes over all")
     p.add_argument("--done-prob", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--async-dispatch", action="store_true", help="keep JAX's CPU async dispatch")
@@ -408,6 +415,7 @@ def main() -> None:
             "min_time_s": args.min_time,
             "min_reps": args.min_reps,
             "max_reps": args.max_reps,
+            "passes": args.passes,
             "statistic": "median",
             "sizes": [list(s) for s in sizes],
         },

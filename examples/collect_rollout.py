@@ -161,6 +161,11 @@ def main():
                 name = jax.tree_util.keystr(path)
                 print(f"  {name:<28} {str(leaf.dtype):<8} {tuple(leaf.shape)}")
         dones = np.asarray(traj.dones[:, 1:]).any(-1)
+        targets = jaxtraj.trajectory_targets(plan, traj)  # what the Actor computes next
+        print(
+            f"  GAE advantages {tuple(targets.advantages.shape)}: mean {float(targets.advantages.mean()):+.3f}, "
+            f"std {float(targets.advantages.std()):.3f}; returns mean {float(targets.returns.mean()):+.3f}"
+        )
         bootstrap = np.asarray(traj.prev_values[:, -1, :3]).astype(float).round(3).tolist()
         print(f"  mean reward {float(np.mean(traj.rewards)):+.3f}, episode ends {int(dones.sum())}")
         print(f"  bootstrap V(s_T) of the first envs per epoch: {bootstrap}\n")
