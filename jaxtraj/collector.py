@@ -16,7 +16,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxtraj import joiner, pipeline, rollout, slots
+from jaxtraj import episodes as ep_lib
+from jaxtraj import joiner, lerobot, pipeline, rollout, slots
 from jaxtraj.errors import CollectorError, ErrorCode
 from jaxtraj.plan import TrajectoryPlan
 from jaxtraj.types import EnvPart, PolicyPart, Trajectory, TrajectoryKey, TrajectorySource
@@ -25,6 +26,8 @@ _jit = functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
 _ADD = {PolicyPart: _jit(joiner.add_policy), EnvPart: _jit(joiner.add_env)}
 _ADD_MANY = {PolicyPart: _jit(joiner.add_policies), EnvPart: _jit(joiner.add_envs)}
 _flush = _jit(functools.partial(rollout.flush, assume_complete=True))
+# Not donated: if an episode overflows, the old state and episodes are kept as they were.
+_lerobot_flush = jax.jit(lerobot.flush, static_argnums=0)
 
 
 def stack_parts(parts: Iterable[PolicyPart | EnvPart]) -> list[PolicyPart | EnvPart]:
@@ -60,7 +63,10 @@ class TrajectoryCollector:
     In rollout mode each complete source step flushes one ``Trajectory`` on
     ``plan.queue_key``. In pipeline mode each complete epoch (across every source)
     flushes :class:`jaxtraj.MicroBatches`, one item per Actor rank on the queue keys
-    ``"actor_0"``, ``"actor_1"``, ...
+    ``"actor_0"``, ``"actor_1"``, ... In lerobot mode each complete source step
+    appends to the running episodes and flushes the episodes that ended, as a list of
+    ``(env_index, frames)`` (frames: dict of host arrays ``[length, ...]``), and hands
+    them to ``writer.add_episodes`` when a writer is given.
 
     Args:
       plan: the static :class:`TrajectoryPlan` (``mode="rollout"`` or ``"pipeline"``).
@@ -74,6 +80,10 @@ class TrajectoryCollector:
         ``fold_in(fold_in(rng, k), e)``, whatever the arrival order.
       mesh, source_axis, actor_axis: pipeline mode on several devices: sources
         sharded over ``source_axis``, micro-batches over ``actor_axis``.
+      writer: lerobot mode: an object with ``add_episodes(episodes, tasks)``, e.g. a
+        ``jaxtraj.lerobot_writer.LeRobotWriter``.
+      tasks: lerobot mode: the task string of every environment (one string for all,
+        or one per environment index).
     """
 
     def __init__(
@@ -89,11 +99,9 @@ class TrajectoryCollector:
         mesh: jax.sharding.Mesh | None = None,
         source_axis: str = "sources",
         actor_axis: str = "actor",
+        writer: Any = None,
+        tasks: str | Sequence[str] | None = None,
     ):
-        if plan.mode not in ("rollout", "pipeline"):
-            raise ValueError(
-                f"TrajectoryCollector supports mode 'rollout' or 'pipeline', got {plan.mode!r}"
-            )
         self.plan = plan
         self.auto_flush = auto_flush
         sources = [tuple(int(v) for v in s) for s in (sources or plan.default_sources())]
@@ -113,6 +121,15 @@ class TrajectoryCollector:
                 joiner.init(plan, policy_example, env_example, sources=s, step_id=step_id)
                 for s in sources
             ]
+        if plan.mode == "lerobot":
+            self._episodes = [lerobot.init_episodes(plan, st) for st in self._states]
+            self._writer = writer
+            tasks = tasks if tasks is not None else "default"
+            self._tasks = [tasks] * plan.batch_size if isinstance(tasks, str) else list(tasks)
+            if len(self._tasks) != plan.batch_size or not all(self._tasks):
+                raise ValueError(
+                    f"tasks must be one non-empty string or {plan.batch_size} of them, got {tasks!r}"
+                )
         self._sources = np.asarray(sources, np.int64).reshape(-1, 2)
         self._source_index = {src: i for i, src in enumerate(sources)}
         shape = (len(sources), plan.num_epochs, plan.num_chunks, plan.batch_size)
@@ -326,6 +343,7 @@ class TrajectoryCollector:
         """
         if self._pipeline:
             raise ValueError("pipeline mode flushes epochs: use flush_epoch(epoch)")
+        # rollout: (queue_key, Trajectory); lerobot: (queue_key, completed episodes)
         s = self._index(env_rank, stage_id)
         if (env_rank, stage_id) not in self.ready():
             missing = int((~(self._rows[PolicyPart][s] & self._rows[EnvPart][s])).sum())
@@ -333,12 +351,36 @@ class TrajectoryCollector:
             raise CollectorError(key, ErrorCode.INCOMPLETE_SCOPE, f"{missing} row-slots missing")
         return self._flush_index(s)
 
-    def _flush_index(self, s: int) -> tuple[str, Trajectory]:
+    def _flush_index(self, s: int) -> tuple[str, Any]:
+        if self.plan.mode == "lerobot":
+            return self._flush_episodes(s)
         self._states[s], traj = _flush(self.plan, self._states[s])
         for mask in self._rows.values():
             mask[s] = False
         self._step[s] += 1
         return (self.plan.queue_key, traj)
+
+    def _flush_episodes(self, s: int) -> tuple[str, list]:
+        state, episodes, batch = _lerobot_flush(self.plan, self._states[s], self._episodes[s])
+        overflow = np.asarray(batch.overflow)
+        if overflow.any():
+            key = (self._step[s], -1, *self._sources[s], -1)
+            envs = np.flatnonzero(overflow).tolist()
+            raise CollectorError(key, ErrorCode.EPISODE_OVERFLOW, f"environments {envs}")
+        self._states[s], self._episodes[s] = state, episodes
+        for mask in self._rows.values():
+            mask[s] = False
+        self._step[s] += 1
+        done = [
+            (b, frames) for b, eps in enumerate(ep_lib.completed_episodes(batch)) for frames in eps
+        ]
+        if self._writer is not None and done:
+            self._writer.add_episodes([f for _, f in done], [self._tasks[b] for b, _ in done])
+        return (self.plan.queue_key, done)
+
+    def episodes_in_progress(self, env_rank: int = 0, stage_id: int = 0) -> np.ndarray:
+        """Lerobot mode: frames each environment's running episode holds, ``[B]``."""
+        return np.asarray(self._episodes[self._index(env_rank, stage_id)].length)
 
     def epochs_ready(self) -> list[int]:
         """Pipeline mode: epochs complete across every source and not yet flushed."""

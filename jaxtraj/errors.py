@@ -35,6 +35,7 @@ class ErrorCode(enum.IntEnum):
     NON_FINITE = 13
     INCOMPLETE_SCOPE = 14
     STRUCTURE_MISMATCH = 15
+    EPISODE_OVERFLOW = 16
 
 
 _REASONS = {
@@ -56,6 +57,7 @@ _REASONS = {
     ),
     ErrorCode.NON_FINITE: "non-finite rewards or values",
     ErrorCode.INCOMPLETE_SCOPE: "flush of an incomplete scope",
+    ErrorCode.EPISODE_OVERFLOW: "an episode is longer than the plan's max_episode_length",
     ErrorCode.STRUCTURE_MISMATCH: "part structure, shape or dtype differs from the plan's example",
 }
 

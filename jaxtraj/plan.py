@@ -7,6 +7,8 @@ import dataclasses
 MODES = ("rollout", "pipeline", "lerobot")
 NONFINITE = ("reject", "allow")
 ADVANTAGES = ("gae", "returns")
+FRAMES = ("action", "chunk")
+OVERFLOW = ("error", "truncate")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +43,12 @@ class TrajectoryPlan:
       actor_ranks: pipeline mode packs micro-batches for this many Actor ranks.
       micro_batch_size: samples per micro-batch (pipeline mode); ``0`` means the
         whole epoch's samples in one micro-batch per rank.
+      max_episode_length: lerobot mode's per-environment episode capacity, in frames.
+      lerobot_frame: a dataset frame is one executed ``"action"`` (``K`` per chunk)
+        or one ``"chunk"``.
+      lerobot_state_key: the observation leaf exported as ``observation.state``.
+      episode_overflow: an episode longer than ``max_episode_length`` is an
+        ``"error"``, or is cut there and marked truncated (``"truncate"``).
     """
 
     num_chunks: int
@@ -61,6 +69,10 @@ class TrajectoryPlan:
     auto_reset: bool = True
     actor_ranks: int = 1
     micro_batch_size: int = 0
+    max_episode_length: int = 1000
+    lerobot_frame: str = "action"
+    lerobot_state_key: str = "state"
+    episode_overflow: str = "error"
 
     def __post_init__(self):
         for name in ("num_chunks", "num_epochs", "batch_size", "num_env_ranks", "num_stages"):
@@ -82,6 +94,15 @@ class TrajectoryPlan:
             raise ValueError(
                 f"TrajectoryPlan.actor_ranks must be >= 1 and micro_batch_size >= 0, got "
                 f"{self.actor_ranks!r} and {self.micro_batch_size!r}"
+            )
+        if self.lerobot_frame not in FRAMES or self.episode_overflow not in OVERFLOW:
+            raise ValueError(
+                f"TrajectoryPlan.lerobot_frame must be one of {FRAMES} and episode_overflow one "
+                f"of {OVERFLOW}, got {self.lerobot_frame!r} and {self.episode_overflow!r}"
+            )
+        if self.max_episode_length < 1:
+            raise ValueError(
+                f"TrajectoryPlan.max_episode_length must be >= 1, got {self.max_episode_length!r}"
             )
         if self.nonfinite not in NONFINITE:
             raise ValueError(

@@ -406,3 +406,72 @@ class Trajectory:
             env_rank=jnp.asarray(env_rank, jnp.int32),
             stage_id=jnp.asarray(stage_id, jnp.int32),
         )
+
+
+def _flat_chunks(x: Array) -> Array:
+    """``[E, T, B, ...]`` -> ``[E*T, B, ...]``."""
+    return x.reshape((-1,) + x.shape[2:])
+
+
+def _flat_actions(x: Array) -> Array:
+    """``[E, T, B, K, ...]`` -> ``[E*T*K, B, ...]``, time-ordered."""
+    x = jnp.moveaxis(x, 3, 2)
+    return x.reshape((-1,) + x.shape[3:])
+
+
+def _event_frames(x: Array, per_action: bool, k: int, reduce) -> Array:
+    """Per-chunk ``[E, T, B]`` or per-action ``[E, T, B, K]`` events -> frames ``[n, B, 1]``.
+
+    A chunk-level event (reward, done) belongs to the chunk's last action; per chunk,
+    action-level events are reduced (rewards summed, flags or-ed).
+    """
+    if x.ndim == 3:
+        if not per_action:
+            return _flat_chunks(x)[..., None]
+        x = jnp.zeros(x.shape + (k,), x.dtype).at[..., -1].set(x)
+    return (_flat_actions(x) if per_action else _flat_chunks(reduce(x, axis=-1)))[..., None]
+
+
+def trajectory_frames(
+    traj: Trajectory, *, per_action: bool, actions_per_chunk: int, state_key: str = "state"
+) -> tuple[dict[str, Array], Array]:
+    """Dataset frames of a trajectory, in time order, and where episodes end.
+
+    A frame is one executed action (``per_action``: ``K`` frames per chunk) or one
+    chunk. Features follow LeRobot's names: ``observation.state`` (the observation
+    leaf ``state_key``), other vector observations as ``observation.<key>``,
+    ``action``, ``next.reward``, ``next.done``, ``next.truncated``, and
+    ``intervention`` when interventions are recorded. Per action, the chunk's
+    pre-action observation stands for every frame of the chunk (the chunk contract
+    carries no per-action observations); images are not exported.
+
+    Returns:
+      ``(frames, done)``: leaves ``[n, B, ...]`` (scalars as ``[n, B, 1]``) and
+      ``done [n, B]`` bool, ``n`` being ``E*T*K`` or ``E*T``.
+    """
+    k = actions_per_chunk
+    obs = traj.obs if isinstance(traj.obs, dict) else {state_key: traj.obs}
+    frames: dict[str, Array] = {}
+    for name, leaf in obs.items():
+        if leaf.ndim != 4:  # [E, T, B, D] vectors only
+            continue
+        key = "observation.state" if name == state_key else f"observation.{name}"
+        if per_action:
+            frames[key] = _flat_actions(jnp.repeat(leaf[:, :, :, None], k, axis=3))
+        else:
+            frames[key] = _flat_chunks(leaf)
+    actions = traj.actions.reshape(traj.actions.shape[:3] + (k, -1))
+    if per_action:
+        frames["action"] = _flat_actions(actions)
+    else:
+        frames["action"] = _flat_chunks(actions.reshape(actions.shape[:3] + (-1,)))
+    if traj.rewards is not None:
+        rewards = _event_frames(traj.rewards, per_action, k, jnp.sum)
+        frames["next.reward"] = rewards.astype(jnp.float32)
+    frames["next.done"] = _event_frames(traj.dones[:, 1:], per_action, k, jnp.any)
+    if traj.truncations is not None:
+        frames["next.truncated"] = _event_frames(traj.truncations[:, 1:], per_action, k, jnp.any)
+    if traj.intervene_flags is not None:
+        flags = traj.intervene_flags.reshape(traj.intervene_flags.shape[:3] + (k, -1)).any(-1)
+        frames["intervention"] = _event_frames(flags, per_action, k, jnp.any)
+    return frames, frames["next.done"][..., 0]

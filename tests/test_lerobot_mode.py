@@ -1,0 +1,125 @@
+"""Lerobot mode: episodes on device, carried across training steps, split at dones."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from helpers import PLAN, B, E, K, T, all_parts, env_part, policy_part
+
+import jaxtraj
+from jaxtraj import CollectorError, ErrorCode
+
+LR = dataclasses.replace(PLAN, mode="lerobot", num_env_ranks=1, max_episode_length=16)
+
+
+class ListWriter:
+    """Records what a dataset writer receives."""
+
+    def __init__(self):
+        self.episodes, self.tasks = [], []
+
+    def add_episodes(self, episodes, tasks):
+        self.episodes += episodes
+        self.tasks += tasks
+
+
+def expected_episodes(steps, per_action=True):
+    """NumPy reference: per env, the frames of every completed episode, in order."""
+    out = {b: [] for b in range(B)}
+    for b in range(B):
+        current = []
+        for step in range(steps):
+            for e in range(E):
+                for t in range(T):
+                    p, v = policy_part(t, e, step=step), env_part(t, e, step=step)
+                    done = bool(v.transition.terminations[b])
+                    for j in range(K if per_action else 1):
+                        action = (
+                            p.output.actions[b, j]
+                            if per_action
+                            else p.output.actions[b].reshape(-1)
+                        )
+                        reward = (
+                            v.transition.rewards[b, j]
+                            if per_action
+                            else v.transition.rewards[b].sum()
+                        )
+                        end = done and (j == K - 1 or not per_action)
+                        current.append((action, reward, end))
+                        if end:
+                            out[b].append(current)
+                            current = []
+    return out
+
+
+def run(plan, steps, writer=None):
+    c = jaxtraj.TrajectoryCollector(plan, policy_part(0), env_part(0), writer=writer, tasks="pick")
+    items = []
+    for step in range(steps):
+        for p in all_parts(step=step):
+            items += c.add(p)
+    return c, items
+
+
+@pytest.mark.parametrize("frame", ["action", "chunk"])
+def test_episodes_match_reference_across_steps(frame):
+    plan = dataclasses.replace(LR, lerobot_frame=frame)
+    writer = ListWriter()
+    c, items = run(plan, steps=2, writer=writer)
+    assert len(items) == 2 and all(k == "default" for k, _ in items)
+    want = expected_episodes(2, per_action=frame == "action")
+    got = {b: [] for b in range(B)}
+    for _, episodes in items:
+        for b, frames in episodes:
+            got[b].append(frames)
+    for b in range(B):
+        assert len(got[b]) == len(want[b]), b
+        for g, w in zip(got[b], want[b]):
+            np.testing.assert_allclose(g["action"], np.stack([a for a, _, _ in w]))
+            np.testing.assert_allclose(g["next.reward"][:, 0], [r for _, r, _ in w], rtol=1e-6)
+            assert g["next.done"][:, 0].tolist() == [d for _, _, d in w]
+            assert g["observation.state"].shape == (len(w), 5)
+    # Every episode handed to the writer, with its task.
+    assert len(writer.episodes) == sum(len(v) for v in want.values())
+    assert set(writer.tasks) == {"pick"}
+    # Episodes still running stay on device and continue in the next step.
+    frames_per_step = E * T * (K if frame == "action" else 1)
+    running = c.episodes_in_progress()
+    for b in range(B):
+        total = 2 * frames_per_step
+        assert running[b] == total - sum(len(ep) for ep in want[b])
+
+
+def test_an_episode_crosses_the_step_boundary():
+    _, items = run(LR, steps=2)
+    # env 2 ends episodes at chunk 2 (the last), so none crosses; env 1 ends at chunk 1:
+    # its episode after the last done of step 0 ends in step 1.
+    step1 = [frames for b, frames in items[1][1] if b == 1]
+    first = step1[0]
+    step0_tail = K * 1  # chunk 2 of the last epoch of step 0: K frames
+    assert len(first["action"]) == step0_tail + K * 2  # + chunks 0 and 1 of step 1's first epoch
+    np.testing.assert_allclose(
+        first["action"][0], policy_part(2, E - 1, step=0).output.actions[1, 0]
+    )
+
+
+def test_overflow_is_an_error_or_a_truncation():
+    short = dataclasses.replace(LR, max_episode_length=3)
+    c = jaxtraj.TrajectoryCollector(short, policy_part(0), env_part(0))
+    parts = all_parts()
+    for p in parts[:-1]:
+        assert c.add(p) == []
+    before = c.episodes_in_progress().copy()
+    with pytest.raises(CollectorError) as info:
+        c.add(parts[-1])
+    assert info.value.code == ErrorCode.EPISODE_OVERFLOW
+    np.testing.assert_array_equal(c.episodes_in_progress(), before)  # nothing changed
+
+    cut = dataclasses.replace(short, episode_overflow="truncate")
+    _, items = run(cut, steps=1)
+    for _, frames in items[0][1]:
+        assert len(frames["action"]) <= 3
+        assert frames["next.done"][-1, 0]
+    assert any(f["next.truncated"][-1, 0] for _, f in items[0][1])
