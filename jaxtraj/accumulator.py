@@ -32,12 +32,7 @@ def source_steps(
     ``s`` (traced) selects the source of a stacked state; ignored otherwise.
     """
     take = _take(state, s)
-    return TrajectoryStep.from_parts(
-        take(state.policy),
-        take(state.env),
-        env_reward_weight=plan.env_reward_weight,
-        reward_model_weight=plan.reward_model_weight,
-    )
+    return TrajectoryStep.from_parts(take(state.policy), take(state.env), plan)
 
 
 def materialize(

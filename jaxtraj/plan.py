@@ -9,6 +9,7 @@ NONFINITE = ("reject", "allow")
 ADVANTAGES = ("gae", "returns")
 FRAMES = ("action", "chunk")
 OVERFLOW = ("error", "truncate")
+BOOTSTRAP = ("truncated", "done", "none")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +33,9 @@ class TrajectoryPlan:
       reward_model_weight: weight of ``EnvTransition.reward_model_output``.
       queue_key: the queue key flushed rollout items are routed to.
       gamma: discount per chunk.
+      truncation_bootstrap: where ``compute_rewards`` adds ``gamma * V(final obs)``
+        (``EnvPart.final_values``): on ``"truncated"`` actions (default), on any
+        ``"done"``, or ``"none"``.
       gae_lambda: GAE's lambda.
       advantage: ``"gae"`` (needs values) or ``"returns"`` (critic-free: discounted
         reward sums cut at dones).
@@ -63,6 +67,7 @@ class TrajectoryPlan:
     reward_model_weight: float = 1.0
     queue_key: str = "default"
     gamma: float = 0.99
+    truncation_bootstrap: str = "truncated"
     gae_lambda: float = 0.95
     advantage: str = "gae"
     normalize_advantages: bool = True
@@ -94,6 +99,11 @@ class TrajectoryPlan:
             raise ValueError(
                 f"TrajectoryPlan.actor_ranks must be >= 1 and micro_batch_size >= 0, got "
                 f"{self.actor_ranks!r} and {self.micro_batch_size!r}"
+            )
+        if self.truncation_bootstrap not in BOOTSTRAP:
+            raise ValueError(
+                f"TrajectoryPlan.truncation_bootstrap must be one of {BOOTSTRAP}, "
+                f"got {self.truncation_bootstrap!r}"
             )
         if self.lerobot_frame not in FRAMES or self.episode_overflow not in OVERFLOW:
             raise ValueError(

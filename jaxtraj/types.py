@@ -190,19 +190,50 @@ class EnvTransition:
         )
 
     def compute_rewards(
-        self, *, env_reward_weight: float = 1.0, reward_model_weight: float = 1.0
+        self,
+        final_values: Array | None = None,
+        *,
+        env_reward_weight: float = 1.0,
+        reward_model_weight: float = 1.0,
+        gamma: float = 0.99,
+        bootstrap: str = "truncated",
     ) -> Array | None:
-        """Training rewards: ``w_env * rewards + w_rm * reward_model_output``.
+        """Training rewards of the chunk.
 
-        Without a reward-model signal the environment rewards are returned as they are.
+        ``w_env * rewards + w_rm * reward_model_output``, then, where an episode was cut
+        (``bootstrap="truncated"``: by truncation; ``"done"``: by any done; ``"none"``:
+        never), ``gamma * V(final obs)`` from terminal inference is added to the reward
+        of the action that ended it, so the cut trace still bootstraps. A termination
+        never bootstraps under ``"truncated"``.
+
+        Args:
+          final_values: ``[B]`` ``V(final obs)`` from terminal inference (zero where
+            absent), or ``None``.
+
+        Shapes: ``rewards [B]`` or ``[B, K]``; flags ``[B]`` or ``[B, K]``. Chunk-level
+        rewards take the bootstrap if any action of the chunk was cut.
         """
         if self.rewards is None:
             return None
-        if self.reward_model_output is None:
-            return self.rewards
-        return env_reward_weight * self.rewards + reward_model_weight * jnp.asarray(
-            self.reward_model_output, jnp.result_type(self.rewards)
-        )
+        rewards = self.rewards
+        if self.reward_model_output is not None:
+            rewards = env_reward_weight * rewards + reward_model_weight * jnp.asarray(
+                self.reward_model_output, jnp.result_type(rewards)
+            )
+        cut = {"truncated": self.truncations, "done": self.resolved_dones()}.get(bootstrap)
+        if final_values is None or cut is None:
+            return rewards
+        values = jnp.asarray(final_values, rewards.dtype)  # [..., B] or [..., B, 1]
+        if values.ndim == rewards.ndim + 1:
+            values = values[..., 0]
+        elif values.ndim == rewards.ndim - 1:
+            values = values[..., None]
+        cut = jnp.asarray(cut)
+        if cut.ndim > rewards.ndim:  # action-level flags, chunk-level rewards
+            cut = cut.any(axis=-1)
+        elif cut.ndim < rewards.ndim:  # chunk-level flags, action-level rewards: the last action
+            cut = jnp.zeros(rewards.shape, bool).at[..., -1].set(cut)
+        return rewards + gamma * values * cut.astype(rewards.dtype)
 
 
 @struct.dataclass
@@ -262,18 +293,12 @@ class TrajectoryStep:
     next_obs: PyTree | None = None
 
     @classmethod
-    def from_parts(
-        cls,
-        policy: PolicyPart,
-        env: EnvPart,
-        *,
-        env_reward_weight: float = 1.0,
-        reward_model_weight: float = 1.0,
-    ) -> TrajectoryStep:
+    def from_parts(cls, policy: PolicyPart, env: EnvPart, plan: Any = None) -> TrajectoryStep:
         """Resolve one joined pair (or a buffer of pairs) into a step.
 
-        Rewards come from ``EnvTransition.compute_rewards``; executed human actions
-        replace the policy's through :meth:`apply_interventions`.
+        Rewards come from ``EnvTransition.compute_rewards`` with the plan's weights,
+        ``gamma`` and ``truncation_bootstrap`` (defaults without a plan); executed human
+        actions replace the policy's through :meth:`apply_interventions`.
         """
         out, tr = policy.output, env.transition
         step = cls(
@@ -285,7 +310,11 @@ class TrajectoryStep:
             forward_inputs=out.forward_inputs,
             bootstrap_values=out.bootstrap_values,
             rewards=tr.compute_rewards(
-                env_reward_weight=env_reward_weight, reward_model_weight=reward_model_weight
+                env.final_values,
+                env_reward_weight=getattr(plan, "env_reward_weight", 1.0),
+                reward_model_weight=getattr(plan, "reward_model_weight", 1.0),
+                gamma=getattr(plan, "gamma", 0.99),
+                bootstrap=getattr(plan, "truncation_bootstrap", "truncated"),
             ),
             dones=tr.resolved_dones(),
             terminations=tr.terminations,

@@ -1,0 +1,112 @@
+"""Training targets through the collector: truncation bootstrap by reward composition,
+reward-model weights, the critic-free form."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jaxtraj
+from jaxtraj import (
+    EnvPart,
+    EnvTransition,
+    PolicyOutput,
+    PolicyPart,
+    TrajectoryKey,
+    TrajectorySource,
+)
+
+
+def parts(*, values=(0.5, 1.0, 1.5), rewards=(1.0, 2.0, 3.0), truncated_at=1, final=None, rm=None):
+    """One env, three chunks: chunk-level rewards, a truncation at ``truncated_at``."""
+    final = final or {1: 4.0, 2: 2.0}
+    out = []
+    for t in range(3):
+        src = TrajectorySource(TrajectoryKey(0, 0, 0, 0, t), 1, 0)
+        out.append(
+            PolicyPart(
+                source=src,
+                obs={"state": np.zeros((1, 2), np.float32)},
+                output=PolicyOutput(
+                    actions=np.zeros((1, 2), np.float32),
+                    prev_values=np.array([values[t]], np.float32),
+                ),
+            )
+        )
+        no = np.zeros((1,), bool)
+        out.append(
+            EnvPart(
+                source=src,
+                transition=EnvTransition(
+                    rewards=np.array([rewards[t]], np.float32),
+                    terminations=no,
+                    truncations=np.array([t == truncated_at]),
+                    reward_model_output=None if rm is None else np.array([rm[t]], np.float32),
+                ),
+                initial_transition=EnvTransition(terminations=no, truncations=no)
+                if t == 0
+                else None,
+                final_values=np.array([final[t]], np.float32) if t in final else None,
+            )
+        )
+    return out
+
+
+def collect(plan, ps):
+    c = jaxtraj.TrajectoryCollector(plan, ps[0], ps[1])
+    out = []
+    for p in ps:
+        out += c.add(p)
+    return out[0][1]
+
+
+def test_truncation_bootstraps_through_reward_composition():
+    plan = jaxtraj.TrajectoryPlan(num_chunks=3, batch_size=1, gamma=0.9, gae_lambda=0.5)
+    traj = collect(plan, parts())
+    # r_1 = 2 + gamma * V(final obs) = 2 + 0.9 * 4 = 5.6; the truncation cuts the trace.
+    np.testing.assert_allclose(traj.rewards[0, :, 0], [1.0, 5.6, 3.0], rtol=1e-6)
+    np.testing.assert_array_equal(traj.dones[0, :, 0], [False, False, True, False])
+    np.testing.assert_allclose(traj.prev_values[0, :, 0], [0.5, 1.0, 1.5, 2.0])
+    tg = jaxtraj.trajectory_targets(plan, traj)
+    # Worked by hand:
+    # delta_2 = 3 + 0.9*2.0 - 1.5 = 3.3                         A_2 = 3.3
+    # delta_1 = 5.6 + 0.9*1.5*(1-1) - 1.0 = 4.6                 A_1 = 4.6 (cut)
+    # delta_0 = 1 + 0.9*1.0 - 0.5 = 1.4                         A_0 = 1.4 + 0.45*4.6 = 3.47
+    np.testing.assert_allclose(tg.advantages[0, :, 0], [3.47, 4.6, 3.3], rtol=1e-5)
+    np.testing.assert_allclose(tg.returns[0, :, 0], [3.97, 5.6, 4.8], rtol=1e-5)
+
+
+def test_termination_never_bootstraps_and_bootstrap_can_be_off():
+    plan = jaxtraj.TrajectoryPlan(
+        num_chunks=3, batch_size=1, gamma=0.9, truncation_bootstrap="none"
+    )
+    traj = collect(plan, parts())
+    np.testing.assert_allclose(traj.rewards[0, :, 0], [1.0, 2.0, 3.0])
+    term = parts(truncated_at=-1)
+    term[3] = term[3].replace(transition=term[3].transition.replace(terminations=np.array([True])))
+    traj = collect(jaxtraj.TrajectoryPlan(num_chunks=3, batch_size=1, gamma=0.9), term)
+    np.testing.assert_allclose(traj.rewards[0, :, 0], [1.0, 2.0, 3.0])
+    np.testing.assert_array_equal(traj.dones[0, :, 0], [False, False, True, False])
+
+
+def test_reward_model_weights():
+    plan = jaxtraj.TrajectoryPlan(
+        num_chunks=3,
+        batch_size=1,
+        env_reward_weight=0.5,
+        reward_model_weight=2.0,
+        truncation_bootstrap="none",
+    )
+    traj = collect(plan, parts(rm=(1.0, 0.0, -1.0)))
+    np.testing.assert_allclose(traj.rewards[0, :, 0], [0.5 + 2.0, 1.0, 1.5 - 2.0])
+
+
+@pytest.mark.parametrize("advantage", ["returns"])
+def test_critic_free_returns(advantage):
+    plan = jaxtraj.TrajectoryPlan(
+        num_chunks=3, batch_size=1, gamma=0.5, advantage=advantage, truncation_bootstrap="none"
+    )
+    tg = jaxtraj.trajectory_targets(plan, collect(plan, parts()))
+    # discounted sums cut at the done after chunk 1: G_2 = 3, G_1 = 2, G_0 = 1 + 0.5*2
+    np.testing.assert_allclose(tg.returns[0, :, 0], [2.0, 2.0, 3.0])
+    np.testing.assert_allclose(tg.advantages, tg.returns)
