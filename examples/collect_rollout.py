@@ -46,10 +46,15 @@ def observe(s):
 
 @jax.jit
 def env_step_chunk(state, actions, rng):
-    """Execute ``actions [B, K, A]``; auto-reset inside the chunk."""
+    """Execute ``actions [B, K, A]``; auto-reset inside the chunk.
+
+    Returns the new state, rewards, terminations and truncations ``[B, K]``, and the
+    final observation of each environment: the one before its last reset in the chunk
+    (what terminal inference bootstraps a truncation from), else the current one.
+    """
 
     def one(carry, a):
-        s, rng = carry
+        s, final, rng = carry
         rng, sub = jax.random.split(rng)
         pos = jnp.clip(s["pos"] + 0.1 * jnp.clip(a, -1, 1), -2, 2)
         dist = jnp.linalg.norm(pos - s["goal"], axis=-1)
@@ -59,14 +64,18 @@ def env_step_chunk(state, actions, rng):
         truncated = (t >= MAX_STEPS) & ~terminated
         done = terminated | truncated
         fresh = env_reset(sub, pos.shape[0])
-        keep = lambda new, old: jnp.where(
-            done.reshape(done.shape + (1,) * (old.ndim - 1)), new, old
-        )
+        keep = lambda new, old: jnp.where(done[:, None], new, old)
         nxt = {"pos": keep(fresh["pos"], pos), "goal": s["goal"], "t": jnp.where(done, 0, t)}
-        return (nxt, rng), (reward, terminated, truncated)
+        final = {"pos": keep(pos, final["pos"]), "any": final["any"] | done}
+        return (nxt, final, rng), (reward, terminated, truncated)
 
-    (state, _), (r, term, trunc) = jax.lax.scan(one, (state, rng), jnp.swapaxes(actions, 0, 1))
-    return state, r.T, term.T, trunc.T
+    final = {"pos": state["pos"], "any": jnp.zeros(state["t"].shape, bool)}
+    (state, final, _), (r, term, trunc) = jax.lax.scan(
+        one, (state, final, rng), jnp.swapaxes(actions, 0, 1)
+    )
+    final_pos = jnp.where(final["any"][:, None], final["pos"], state["pos"])
+    final_obs = jnp.concatenate([final_pos, state["goal"]], axis=-1)
+    return state, r.T, term.T, trunc.T, final_obs
 
 
 @jax.jit
@@ -112,9 +121,10 @@ def collect(args):
                         ),
                     )
                 )
-                state, r, term, trunc = env_step_chunk(state, actions, k2)
-                last = chunk == T - 1
-                final_values = np.asarray(observe(state) @ params["v"]) if last else None
+                state, r, term, trunc, final_obs = env_step_chunk(state, actions, k2)
+                # Terminal inference: V(final obs) bootstraps truncations; on the last
+                # chunk it is also V(s_T).
+                final_values = np.asarray(final_obs @ params["v"])
                 initial = None
                 if chunk == 0:
                     # The boundary before the first action: the previous chunk's flags.

@@ -30,6 +30,12 @@ _flush = _jit(functools.partial(rollout.flush, assume_complete=True))
 _lerobot_flush = jax.jit(lerobot.flush, static_argnums=0)
 
 
+def _per_part_any(x: Any, n: int) -> np.ndarray:
+    if x is None:
+        return np.zeros((n,), bool)
+    return np.asarray(x).reshape(n, -1).any(axis=1)
+
+
 def stack_parts(parts: Iterable[PolicyPart | EnvPart]) -> list[PolicyPart | EnvPart]:
     """Group parts by kind, structure and shape, and stack each group on the host.
 
@@ -214,6 +220,7 @@ class TrajectoryCollector:
                 has_final=has_final,
                 has_next_obs=has_next or not self.plan.collect_transitions,
                 needs_final=self._needs_final,
+                cut=bool(np.any(slots.cut_flags(self.plan, part))),
             )
         if self.plan.nonfinite == "reject":
             finite = all(np.isfinite(np.asarray(x)).all() for x in slots.finite_leaves(part))
@@ -264,6 +271,7 @@ class TrajectoryCollector:
                 has_final=has_final,
                 has_next_obs=has_next or not self.plan.collect_transitions,
                 needs_final=self._needs_final,
+                cut=_per_part_any(slots.cut_flags(self.plan, part), n),
             )
         if self.plan.nonfinite == "reject":
             finite = np.ones((n,), bool)

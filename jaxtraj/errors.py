@@ -50,7 +50,8 @@ _REASONS = {
     ErrorCode.MISSING_INITIAL_TRANSITION: "chunk 0's env half must carry initial_transition",
     ErrorCode.UNEXPECTED_INITIAL_TRANSITION: "only chunk 0's env half may carry initial_transition",
     ErrorCode.MISSING_FINAL_VALUES: (
-        "the last chunk's env half must carry final_values (the bootstrap value V(s_T))"
+        "missing final_values: the last chunk's env half must carry the bootstrap value "
+        "V(s_T), and a chunk that truncates an episode the value V(final obs)"
     ),
     ErrorCode.MISSING_NEXT_OBS: (
         "collect_transitions needs the last chunk's env half to carry the next_obs override"

@@ -255,6 +255,10 @@ def record_error(state: CollectorState, code: jax.Array, key, s: Any = None) -> 
     )
 
 
+def _any(x: Any) -> jax.Array:
+    return jnp.asarray(False) if x is None else jnp.any(x)
+
+
 def _nonfinite(plan: TrajectoryPlan, part: Any) -> jax.Array:
     if plan.nonfinite != "reject":
         return jnp.asarray(False)
@@ -328,6 +332,7 @@ def add_env(plan: TrajectoryPlan, state: CollectorState, part: EnvPart) -> Colle
         has_final=has_final,
         has_next_obs=has_next or layout.next_obs is None,
         needs_final=state.policy.output.prev_values is not None,
+        cut=_any(slots.cut_flags(plan, part)),
     )
     checks.append((_nonfinite(plan, part), ErrorCode.NON_FINITE))
     code = slots.first_error(jnp, checks)

@@ -85,16 +85,30 @@ def env_checks(
     has_final: bool,
     has_next_obs: bool,
     needs_final: bool,
+    cut: Any = False,
 ) -> list[tuple[Any, ErrorCode]]:
-    """Boundary rules of an env half: chunk zero's ``initial_transition``, the last
-    chunk's bootstrap value and, with ``collect_transitions``, its next observation."""
+    """Boundary rules of an env half: chunk zero's ``initial_transition``, the bootstrap
+    value ``final_values`` on the last chunk and on any chunk that cuts an episode
+    (``cut``, see :func:`cut_flags`) and, with ``collect_transitions``, the last
+    chunk's next observation."""
     last = chunk_id == plan.num_chunks - 1
     return [
         ((chunk_id == 0) & (not has_initial), ErrorCode.MISSING_INITIAL_TRANSITION),
         ((chunk_id != 0) & has_initial, ErrorCode.UNEXPECTED_INITIAL_TRANSITION),
-        (last & needs_final & (not has_final), ErrorCode.MISSING_FINAL_VALUES),
+        ((last | cut) & needs_final & (not has_final), ErrorCode.MISSING_FINAL_VALUES),
         (last & plan.collect_transitions & (not has_next_obs), ErrorCode.MISSING_NEXT_OBS),
     ]
+
+
+def cut_flags(plan: TrajectoryPlan, part: Any) -> Any:
+    """The flags of actions whose reward takes a bootstrap value (``None`` if none do)."""
+    tr = part.transition
+    if plan.truncation_bootstrap == "truncated":
+        return tr.truncations
+    if plan.truncation_bootstrap == "done":
+        flags = [x for x in (tr.dones, tr.terminations, tr.truncations) if x is not None]
+        return flags[0] if tr.dones is not None or len(flags) < 2 else flags[0] | flags[1]
+    return None
 
 
 def finite_leaves(part: Any) -> list:

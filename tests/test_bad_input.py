@@ -30,6 +30,13 @@ def _nan_rewards():
     return v.replace(transition=v.transition.replace(rewards=r))
 
 
+def _truncated_without_value():
+    v = env_part(0, 1, step=STEP)  # chunk 0 carries no final_values in the helpers
+    trunc = np.zeros((B,), bool)
+    trunc[1] = True
+    return v.replace(transition=v.transition.replace(truncations=trunc))
+
+
 def _inf_value():
     p = policy_part(1, 1, step=STEP)
     vals = np.array(p.output.prev_values)
@@ -105,6 +112,11 @@ CASES = [
     (
         "last chunk without bootstrap value",
         lambda: env_part(T - 1, 1, step=STEP).replace(final_values=None),
+        ErrorCode.MISSING_FINAL_VALUES,
+    ),
+    (
+        "truncation without its bootstrap value",
+        _truncated_without_value,
         ErrorCode.MISSING_FINAL_VALUES,
     ),
     ("non-finite reward", _nan_rewards, ErrorCode.NON_FINITE),
