@@ -25,6 +25,13 @@ several calls after a warm-up, each ended by ``block_until_ready``; the calls ru
 blocks per implementation, and the blocks of all implementations alternate over several
 passes, so that drift in the machine's speed hits all alike.
 
+Fresh memory is not free: a JAX function allocates its outputs anew on every call, and
+the first touch of each fresh 4 KiB page is a page fault (the ``faults`` column: minor
+faults during one call). At ``[512, 16384]`` the 64 MB of outputs are about 16k faults,
+which on a virtual machine can cost as much as the copy itself and vary from run to run.
+The NumPy and torch loops allocate their results and pay them too; ``copy (numpy)``
+writes into preallocated arrays and does not, ``copy (jax)`` does.
+
 JAX's CPU client normally runs a computation on a worker thread; on small machines waking
 that thread adds tens of microseconds of noise to every call. The benchmark therefore
 disables CPU async dispatch (``jax_cpu_enable_async_dispatch``) for all JAX rows alike;
@@ -45,6 +52,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import resource
 import statistics
 import time
 from collections.abc import Callable
@@ -273,9 +281,11 @@ def measure_size(T: int, B: int, args) -> list[dict]:
             np.testing.assert_allclose(adv, ref_adv, rtol=1e-4, atol=1e-4, err_msg=name)
             np.testing.assert_allclose(ret, ref_ret, rtol=1e-4, atol=1e-4, err_msg=name)
         del out
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t0 = time.perf_counter()
         run()
         first = time.perf_counter() - t0
+        row["page_faults"] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
         n = int(min(args.max_reps, max(args.min_reps, args.min_time / max(first, 1e-6))))
         runs[name] = (run, n, [first])
     # Interleaved passes: in each, every implementation runs a block of consecutive calls
@@ -334,8 +344,17 @@ def machine_info(args) -> dict:
         "jax_backend": jax.default_backend(),
         "jax_devices": [str(d) for d in jax.devices()],
         "jax_cpu_async_dispatch": bool(args.async_dispatch),
+        "env": {
+            k: os.environ.get(k)
+            for k in ("GLIBC_TUNABLES", "MALLOC_MMAP_THRESHOLD_", "OMP_NUM_THREADS", "XLA_FLAGS")
+        },
         "versions": {d: version(d) for d in ("jax", "jaxlib", "numpy", "rlax", "torch", "torchrl")},
     }
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            info["transparent_hugepages"] = f.read().strip()
+    except OSError:
+        pass
     try:
         import torch
 
@@ -348,7 +367,7 @@ def machine_info(args) -> dict:
 def print_table(rows: list[dict]) -> None:
     head = (
         f"{'implementation':<22} {'compile ms':>10} {'run ms':>9} {'/copy np':>9} "
-        f"{'/copy jax':>9} {'/best peer':>10}"
+        f"{'/copy jax':>9} {'/best peer':>10} {'faults':>7}"
     )
     T, B = rows[0]["T"], rows[0]["B"]
     best = next((r.get("best_peer") for r in rows if r.get("best_peer")), None)
@@ -364,7 +383,8 @@ def print_table(rows: list[dict]) -> None:
         )
         print(
             f"{r['peer']:<22} {f('compile_ms', '10.1f')} {f('run_ms', '9.3f')} "
-            f"{f('vs_copy_numpy', '9.2f')} {f('vs_copy_jax', '9.2f')} {f('vs_best_peer', '10.2f')}"
+            f"{f('vs_copy_numpy', '9.2f')} {f('vs_copy_jax', '9.2f')} {f('vs_best_peer', '10.2f')} "
+            f"{f('page_faults', '7d')}"
         )
 
 
