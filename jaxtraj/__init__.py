@@ -5,6 +5,13 @@ device buffers, and flush Actor-ready trajectories.
 """
 
 from jaxtraj.accumulator import TrajectoryAccumulator, materialize
+from jaxtraj.advantages import (
+    discounted_returns,
+    gae,
+    gae_from_next_values,
+    group_advantages,
+    normalize_advantages,
+)
 from jaxtraj.collector import TrajectoryCollector, stack_parts
 from jaxtraj.errors import CollectorError, ErrorCode, raise_if_error
 from jaxtraj.joiner import (
@@ -59,9 +66,14 @@ __all__ = [
     "add_envs",
     "add_policies",
     "add_policy",
+    "discounted_returns",
     "flush",
+    "gae",
+    "gae_from_next_values",
+    "group_advantages",
     "init",
     "materialize",
+    "normalize_advantages",
     "raise_if_error",
     "ready",
     "slot_complete",
