@@ -26,7 +26,6 @@ Writes ``benchmarks/results/collect.json`` and prints a table.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import platform
@@ -217,9 +216,11 @@ def run_jaxtraj_jit(parts, plan, repeats):
     pol, env = examples(parts)
     add_p = jax.jit(jaxtraj.add_policy, static_argnums=0, donate_argnums=1)
     add_e = jax.jit(jaxtraj.add_env, static_argnums=0, donate_argnums=1)
-    flush = jax.jit(
-        functools.partial(jaxtraj.flush, assume_complete=True), static_argnums=0, donate_argnums=1
-    )
+    def flush_in_place(plan, state):  # trajectory first: it takes the donated buffers
+        state, traj = jaxtraj.flush(plan, state, assume_complete=True)
+        return traj, state
+
+    flush = jax.jit(flush_in_place, static_argnums=0, donate_argnums=1)
     steps = iter([jax.device_put(step) for step in steps_of(parts, repeats + 1)])
     holder = {"state": jaxtraj.init(plan, pol, env)}
 
@@ -228,7 +229,7 @@ def run_jaxtraj_jit(parts, plan, repeats):
         for p in next(steps):
             state = (add_p if isinstance(p, PolicyPart) else add_e)(plan, state, p)
         assert bool(jaxtraj.ready(state))
-        state, traj = flush(plan, state)
+        traj, state = flush(plan, state)
         jax.block_until_ready(traj)
         holder["state"] = state
         return traj

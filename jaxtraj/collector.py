@@ -25,7 +25,19 @@ from jaxtraj.types import EnvPart, PolicyPart, Trajectory, TrajectoryKey, Trajec
 _jit = functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
 _ADD = {PolicyPart: _jit(joiner.add_policy), EnvPart: _jit(joiner.add_env)}
 _ADD_MANY = {PolicyPart: _jit(joiner.add_policies), EnvPart: _jit(joiner.add_envs)}
-_flush = _jit(functools.partial(rollout.flush, assume_complete=True))
+
+
+def _flush_in_place(plan: TrajectoryPlan, state: joiner.CollectorState):
+    """Rollout flush that hands the state's buffers to the trajectory without a copy.
+
+    ``jit`` matches donated buffers to outputs in output order, so the trajectory goes
+    first: its fields alias the donated buffers and the state gets the fresh ones.
+    """
+    state, traj = rollout.flush(plan, state, assume_complete=True)
+    return traj, state
+
+
+_flush = _jit(_flush_in_place)
 # Not donated: if an episode overflows, the old state and episodes are kept as they were.
 _lerobot_flush = jax.jit(lerobot.flush, static_argnums=0)
 
@@ -362,7 +374,7 @@ class TrajectoryCollector:
     def _flush_index(self, s: int) -> tuple[str, Any]:
         if self.plan.mode == "lerobot":
             return self._flush_episodes(s)
-        self._states[s], traj = _flush(self.plan, self._states[s])
+        traj, self._states[s] = _flush(self.plan, self._states[s])
         for mask in self._rows.values():
             mask[s] = False
         self._step[s] += 1

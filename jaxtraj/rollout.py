@@ -38,7 +38,10 @@ def flush(
       source_index: index ``s`` of the source in a stacked state; unused otherwise.
       assume_complete: static; the caller has checked completeness (the facade
         does, on the host). On a single-source state the trajectory then takes the
-        state's buffers as they are, without a copy, and the state gets fresh ones.
+        state's buffers as they are and the state gets fresh ones. Under ``jit`` with
+        the state donated, return the trajectory *first* from the jitted function:
+        donated buffers go to the first outputs of matching shape, and only then is
+        the flush free of a copy.
 
     Returns:
       ``(state, trajectory)``. If the scope is incomplete (and not assumed complete)

@@ -241,3 +241,18 @@ def test_interventions_replace_executed_actions():
     expect[1, 0] = 99.0
     np.testing.assert_array_equal(step.actions, expect)
     assert step.intervene_flags.shape == expect.shape and int(step.intervene_flags.sum()) == 3
+
+
+def test_inserts_and_flush_are_in_place():
+    c = jaxtraj.TrajectoryCollector(PLAN, policy_part(0), env_part(0))
+    pointer = lambda: c.states[0].policy.obs["image"].unsafe_buffer_pointer()
+    first = pointer()
+    parts = all_parts(0)
+    for p in parts[:-1]:
+        assert c.add(p) == []
+        assert pointer() == first  # donated: written in place, never copied
+    ((_, traj),) = c.add(parts[-1])
+    # The flush hands the buffer itself to the trajectory; the state gets a fresh one.
+    assert traj.obs["image"].unsafe_buffer_pointer() == first
+    assert pointer() != first
+    assert_same(traj, reference(0))
