@@ -60,7 +60,7 @@ def stack_parts(parts: Iterable[PolicyPart | EnvPart]) -> list[PolicyPart | EnvP
         if not isinstance(part, (PolicyPart, EnvPart)):
             raise CollectorError(None, ErrorCode.STRUCTURE_MISMATCH, f"not a part: {type(part)}")
         leaves, treedef = jax.tree.flatten(part)
-        sig = (treedef, tuple(np.shape(x) for x in leaves))
+        sig = (treedef, tuple([getattr(x, "shape", ()) for x in leaves]))  # hot: no np.shape
         by_sig.setdefault(sig, []).append(leaves)
     return [
         jax.tree.unflatten(treedef, [np.stack(xs) for xs in zip(*group)])
