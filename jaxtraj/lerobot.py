@@ -9,10 +9,12 @@ hands them to a dataset writer (``jaxtraj.lerobot_writer.LeRobotWriter``).
 
 from __future__ import annotations
 
+import math
+
 import jax
 
 from jaxtraj import episodes as ep_lib
-from jaxtraj import rollout
+from jaxtraj import joiner, rollout
 from jaxtraj.joiner import CollectorState
 from jaxtraj.plan import TrajectoryPlan
 from jaxtraj.types import trajectory_frames
@@ -41,6 +43,19 @@ def init_episodes(plan: TrajectoryPlan, state: CollectorState) -> ep_lib.Episode
     """Empty running-episode buffers for one single-source state."""
     example = jax.eval_shape(lambda st: frames_of(plan, st, rollout.flush(plan, st)[1])[0], state)
     return ep_lib.init_episodes(example, plan.batch_size, plan.max_episode_length)
+
+
+def features(plan: TrajectoryPlan, policy_example, env_example) -> dict[str, dict]:
+    """The frame features of a run, as a LeRobot ``info.json`` declares them.
+
+    ``{name: {"dtype": ..., "shape": [D], "names": None}}``; scalars have shape ``[1]``.
+    """
+    state = jax.eval_shape(lambda: joiner.init(plan, policy_example, env_example, sources=(0, 0)))
+    frames = jax.eval_shape(lambda st: init_episodes(plan, st).frames, state)
+    return {
+        name: {"dtype": str(x.dtype), "shape": [int(math.prod(x.shape[2:]))], "names": None}
+        for name, x in frames.items()
+    }
 
 
 def flush(
