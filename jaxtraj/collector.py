@@ -87,7 +87,7 @@ class TrajectoryCollector:
     them to ``writer.add_episodes`` when a writer is given.
 
     Args:
-      plan: the static :class:`TrajectoryPlan` (``mode="rollout"`` or ``"pipeline"``).
+      plan: the static :class:`TrajectoryPlan`; its ``mode`` picks the output.
       policy_example, env_example: one example of each half; fixes the buffers'
         structure, trailing shapes and dtypes.
       sources: ``(env_rank, stage_id)`` pairs owned; default all of the plan's.
