@@ -9,6 +9,8 @@ done flags. T = 64 chunks, one epoch. Halves arrive in a random order.
 Measured, side by side in one process:
 
 - ``memcpy``: one contiguous copy of every byte the step holds (the physical limit);
+- ``jax_copy``: a jitted copy of those bytes into a new device buffer (what producing
+  that many fresh bytes costs a JAX program, first-touch page faults included);
 - ``host_dict_stack``: the original system's collector: dicts keyed by key, a
   step per joined pair, ``np.stack`` per field at flush;
 - ``jaxtraj_add``: ``TrajectoryCollector.add`` per half, then the flush;
@@ -138,6 +140,14 @@ def run_memcpy(parts):
     return lambda: np.copyto(dst, src)
 
 
+def run_jax_copy(parts):
+    """A jitted copy of the same bytes into a new device buffer: what any JAX program
+    pays to produce that many fresh bytes (first-touch page faults included)."""
+    src = jax.device_put(np.random.default_rng(1).integers(0, 255, nbytes(parts), np.uint8))
+    copy = jax.jit(lambda x: x.copy())
+    return lambda: jax.block_until_ready(copy(src))
+
+
 def run_host_dict_stack(parts, T):
     """The original system's style: dicts keyed by key, lists, ``stack`` at flush."""
 
@@ -216,6 +226,7 @@ def run_jaxtraj_jit(parts, plan, repeats):
     pol, env = examples(parts)
     add_p = jax.jit(jaxtraj.add_policy, static_argnums=0, donate_argnums=1)
     add_e = jax.jit(jaxtraj.add_env, static_argnums=0, donate_argnums=1)
+
     def flush_in_place(plan, state):  # trajectory first: it takes the donated buffers
         state, traj = jaxtraj.flush(plan, state, assume_complete=True)
         return traj, state
@@ -332,6 +343,7 @@ def main():
     plan = TrajectoryPlan(num_chunks=T, batch_size=B)
     runs = {
         "memcpy": run_memcpy(parts),
+        "jax_copy": run_jax_copy(parts),
         "host_dict_stack": run_host_dict_stack(parts, T),
         "jaxtraj_add": run_jaxtraj_add(parts, plan, repeats),
         "jaxtraj_add_many": run_jaxtraj_add_many(parts, plan, repeats),
