@@ -89,6 +89,48 @@ def policy(params, obs, rng):
     return actions, logp, value
 
 
+def run_chunk(params, state, rng, key, initial_flags):
+    """One action chunk: policy inference, then the environment executes it.
+
+    Args:
+      initial_flags: chunk zero's ``(terminations, truncations)`` before its first
+        action (the previous chunk's flags), ``None`` for other chunks.
+
+    Returns:
+      ``(policy_part, env_part, state, flags, rng)``: both halves of the chunk, the
+      environments after it, and its ``(terminations, truncations)``.
+    """
+    B = state["t"].shape[0]
+    obs = observe(state)
+    rng, k1, k2 = jax.random.split(rng, 3)
+    actions, logp, value = policy(params, obs, k1)
+    policy_part = PolicyPart(
+        source=TrajectorySource(key, B, 0),
+        obs={"state": np.asarray(obs)},
+        output=PolicyOutput(
+            actions=np.asarray(actions),
+            prev_logprobs=np.asarray(logp),
+            prev_values=np.asarray(value),
+            versions=np.zeros((B,), np.int32),
+            forward_inputs={"obs": np.asarray(obs)},
+        ),
+    )
+    state, r, term, trunc, final_obs = env_step_chunk(state, actions, k2)
+    term, trunc = np.asarray(term), np.asarray(trunc)
+    initial = None
+    if initial_flags is not None:  # the boundary before the first action
+        initial = EnvTransition(terminations=initial_flags[0], truncations=initial_flags[1])
+    env_part = EnvPart(
+        source=TrajectorySource(key, B, 0),
+        transition=EnvTransition(rewards=np.asarray(r), terminations=term, truncations=trunc),
+        initial_transition=initial,
+        # Terminal inference: V(final obs) bootstraps truncations; on the last chunk it
+        # is also V(s_T).
+        final_values=np.asarray(final_obs @ params["v"]),
+    )
+    return policy_part, env_part, state, (term, trunc), rng
+
+
 def collect(args):
     B, T, E, ranks = args.envs, args.chunks, args.epochs, 2
     plan = TrajectoryPlan(num_chunks=T, num_epochs=E, batch_size=B, num_env_ranks=ranks)
@@ -101,46 +143,16 @@ def collect(args):
     for rank in range(ranks):
         rng, sub = jax.random.split(rng)
         state = env_reset(sub, B)
-        prev_term = prev_trunc = np.zeros((B, K), bool)
+        flags = (np.zeros((B, K), bool), np.zeros((B, K), bool))
         for epoch in range(E):
             for chunk in range(T):
                 key = TrajectoryKey(0, epoch, rank, 0, chunk)
-                obs = observe(state)
-                rng, k1, k2 = jax.random.split(rng, 3)
-                actions, logp, value = policy(params, obs, k1)
-                halves.append(
-                    PolicyPart(
-                        source=TrajectorySource(key, B, 0),
-                        obs={"state": np.asarray(obs)},
-                        output=PolicyOutput(
-                            actions=np.asarray(actions),
-                            prev_logprobs=np.asarray(logp),
-                            prev_values=np.asarray(value),
-                            versions=np.zeros((B,), np.int32),
-                            forward_inputs={"obs": np.asarray(obs)},
-                        ),
-                    )
+                policy_part, env_part, state, flags, rng = run_chunk(
+                    params, state, rng, key, flags if chunk == 0 else None
                 )
-                state, r, term, trunc, final_obs = env_step_chunk(state, actions, k2)
-                # Terminal inference: V(final obs) bootstraps truncations; on the last
-                # chunk it is also V(s_T).
-                final_values = np.asarray(final_obs @ params["v"])
-                initial = None
-                if chunk == 0:
-                    # The boundary before the first action: the previous chunk's flags.
-                    initial = EnvTransition(terminations=prev_term, truncations=prev_trunc)
-                term, trunc = np.asarray(term), np.asarray(trunc)
-                env_part = EnvPart(
-                    source=TrajectorySource(key, B, 0),
-                    transition=EnvTransition(
-                        rewards=np.asarray(r), terminations=term, truncations=trunc
-                    ),
-                    initial_transition=initial,
-                    final_values=final_values,
-                )
+                halves.append(policy_part)
                 # Routing may split a source batch: send some env halves in two fragments.
                 halves += env_part.split([B // 2, B - B // 2]) if chunk % 2 else [env_part]
-                prev_term, prev_trunc = term, trunc
     random.Random(args.seed).shuffle(halves)  # arrival order of asynchronous workers
 
     policy_example = next(h for h in halves if isinstance(h, PolicyPart))

@@ -19,57 +19,23 @@ import random
 
 import jax
 import numpy as np
-from collect_rollout import OBS, A, K, env_reset, env_step_chunk, observe, policy
+from collect_rollout import OBS, A, K, env_reset, run_chunk
 
 import jaxtraj
-from jaxtraj import (
-    EnvPart,
-    EnvTransition,
-    PolicyOutput,
-    PolicyPart,
-    TrajectoryKey,
-    TrajectorySource,
-)
+from jaxtraj import TrajectoryKey
 from jaxtraj.lerobot_writer import LeRobotWriter
 
 
-def step_halves(params, env_state, rng, *, step, B, T):
-    """The halves of one training step, and the environments' state after it."""
+def step_halves(params, env_state, flags, rng, *, step, T):
+    """The halves of one training step, the environments after it, and their last flags."""
     halves = []
-    term = trunc = np.zeros((B, K), bool)
-    prev = env_state.pop("_flags", (term, trunc))
     for chunk in range(T):
         key = TrajectoryKey(step, 0, 0, 0, chunk)
-        obs = observe(env_state)
-        rng, k1, k2 = jax.random.split(rng, 3)
-        actions, logp, value = policy(params, obs, k1)
-        halves.append(
-            PolicyPart(
-                source=TrajectorySource(key, B, 0),
-                obs={"state": np.asarray(obs)},
-                output=PolicyOutput(
-                    actions=np.asarray(actions),
-                    prev_logprobs=np.asarray(logp),
-                    prev_values=np.asarray(value),
-                ),
-            )
+        policy_part, env_part, env_state, last, rng = run_chunk(
+            params, env_state, rng, key, flags if chunk == 0 else None
         )
-        env_state, r, term, trunc, final_obs = env_step_chunk(env_state, actions, k2)
-        term, trunc = np.asarray(term), np.asarray(trunc)
-        halves.append(
-            EnvPart(
-                source=TrajectorySource(key, B, 0),
-                transition=EnvTransition(
-                    rewards=np.asarray(r), terminations=term, truncations=trunc
-                ),
-                initial_transition=EnvTransition(terminations=prev[0], truncations=prev[1])
-                if chunk == 0
-                else None,
-                final_values=np.asarray(final_obs @ params["v"]),
-            )
-        )
-    env_state = dict(env_state, _flags=(term, trunc))
-    return halves, env_state, rng
+        halves += [policy_part, env_part]
+    return halves, env_state, last, rng
 
 
 def main():
@@ -90,7 +56,8 @@ def main():
         "v": 0.5 * jax.random.normal(jax.random.fold_in(rng, 1), (OBS,)),
     }
     env_state = env_reset(jax.random.fold_in(rng, 2), B)
-    halves, env_state, rng = step_halves(params, env_state, rng, step=0, B=B, T=T)
+    flags = (np.zeros((B, K), bool), np.zeros((B, K), bool))
+    halves, env_state, flags, rng = step_halves(params, env_state, flags, rng, step=0, T=T)
     features = jaxtraj.lerobot.features(plan, halves[0], halves[1])
     writer = LeRobotWriter(args.root, fps=10, features=features, robot_type="point_mass")
     collector = jaxtraj.TrajectoryCollector(
@@ -98,7 +65,9 @@ def main():
     )
     for step in range(args.steps):
         if step:
-            halves, env_state, rng = step_halves(params, env_state, rng, step=step, B=B, T=T)
+            halves, env_state, flags, rng = step_halves(
+                params, env_state, flags, rng, step=step, T=T
+            )
         random.Random(step).shuffle(halves)  # asynchronous arrival
         written = [ep for part in halves for _, eps in collector.add(part) for _, ep in eps]
         running = collector.episodes_in_progress()
