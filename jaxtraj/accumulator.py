@@ -3,7 +3,8 @@
 The joiner's buffers already hold every half in rollout order, slot ``(s, e, t)``.
 The accumulator turns a source's slots into resolved steps with
 ``TrajectoryStep.from_parts`` (elementwise over ``[E, T, B]``) and into the temporal
-layout with ``Trajectory.from_steps``; it never inspects the fields itself.
+layout with ``Trajectory.from_steps`` (or the plan's subclasses of them); it never
+inspects the fields itself.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ def source_steps(
     ``s`` (traced) selects the source of a stacked state; ignored otherwise.
     """
     take = _take(state, s)
-    return TrajectoryStep.from_parts(take(state.policy), take(state.env), plan)
+    step_type = plan.step_type or TrajectoryStep
+    return step_type.from_parts(take(state.policy), take(state.env), plan)
 
 
 def materialize(
@@ -45,7 +47,7 @@ def materialize(
     """
     take = _take(state, s)
     sources = take(state.sources)
-    return Trajectory.from_steps(
+    return (plan.trajectory_type or Trajectory).from_steps(
         source_steps(plan, state, s),
         take(state.initial),
         next_obs_given=take(state.next_obs_given),

@@ -21,6 +21,7 @@ the computation is the same global program, so the results equal one device's.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any
@@ -38,7 +39,7 @@ from jaxtraj.errors import ErrorCode
 from jaxtraj.joiner import CollectorState
 from jaxtraj.plan import TrajectoryPlan
 from jaxtraj.targets import trajectory_targets
-from jaxtraj.types import TrajectoryKey
+from jaxtraj.types import Trajectory, TrajectoryKey
 
 
 @struct.dataclass
@@ -48,7 +49,8 @@ class MicroBatches:
     A sample is one chunk of one environment. ``prev_values`` is ``V(s_t)``;
     ``advantages`` are normalised when the plan says so; ``loss_mask`` is false on
     padding (and on rows after a done without auto-reset). ``step_id`` and
-    ``epoch_id`` are ``[R]``.
+    ``epoch_id`` are ``[R]``. ``extras`` holds the per-chunk fields a plan's
+    ``trajectory_type`` adds (leaves ``[E, T, B, ...]`` in the trajectory), packed alike.
     """
 
     obs: Any
@@ -63,6 +65,10 @@ class MicroBatches:
     loss_mask: jax.Array
     step_id: jax.Array
     epoch_id: jax.Array
+    extras: dict
+
+
+_BASE_FIELDS = {f.name for f in dataclasses.fields(Trajectory)}
 
 
 def packing(plan: TrajectoryPlan, num_samples: int) -> tuple[int, int]:
@@ -127,6 +133,12 @@ def flush(
         forward_inputs=trajs.forward_inputs,
         returns=targets.returns,
         rewards=targets.rewards,
+        # Fields a plan's trajectory_type adds: per-chunk leaves [S, E, T, B, ...].
+        extras={
+            f.name: getattr(trajs, f.name)
+            for f in dataclasses.fields(trajs)
+            if f.name not in _BASE_FIELDS and getattr(trajs, f.name) is not None
+        },
     )
 
     R = plan.actor_ranks

@@ -53,6 +53,9 @@ class TrajectoryPlan:
       lerobot_state_key: the observation leaf exported as ``observation.state``.
       episode_overflow: an episode longer than ``max_episode_length`` is an
         ``"error"``, or is cut there and marked truncated (``"truncate"``).
+      step_type, trajectory_type: subclasses of ``TrajectoryStep`` and ``Trajectory``
+        that resolve and lay out fields a new algorithm adds (see
+        ``docs/adding-a-field.md``); ``None`` for the built-in types.
     """
 
     num_chunks: int
@@ -78,6 +81,8 @@ class TrajectoryPlan:
     lerobot_frame: str = "action"
     lerobot_state_key: str = "state"
     episode_overflow: str = "error"
+    step_type: type | None = None
+    trajectory_type: type | None = None
 
     def __post_init__(self):
         for name in ("num_chunks", "num_epochs", "batch_size", "num_env_ranks", "num_stages"):
