@@ -134,6 +134,9 @@ class TrajectoryCollector:
             )
             self._rng = jax.random.PRNGKey(0) if rng is None else rng
             self._flushed = np.zeros((plan.num_epochs,), bool)
+            # The policy version now training: set it as the policy updates, so that
+            # plan.max_staleness can mask older samples.
+            self.current_version = 0
         else:  # one state per source: each flushes on its own, without a copy
             self._states = [
                 joiner.init(plan, policy_example, env_example, sources=s, step_id=step_id)
@@ -427,7 +430,9 @@ class TrajectoryCollector:
             )
         # The shuffle key depends on (step, epoch) only, not on which epoch completed first.
         sub = jax.random.fold_in(jax.random.fold_in(self._rng, int(self._step[0])), epoch)
-        self._states[0], batches = self._pipeline_flush(self._states[0], epoch, sub)
+        self._states[0], batches = self._pipeline_flush(
+            self._states[0], epoch, sub, self.current_version
+        )
         self._flushed[epoch] = True
         if self._flushed.all():
             self._flushed[:] = False

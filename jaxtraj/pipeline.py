@@ -91,7 +91,11 @@ def _stacked(state: CollectorState) -> CollectorState:
 
 
 def flush(
-    plan: TrajectoryPlan, state: CollectorState, epoch: Any, rng: jax.Array
+    plan: TrajectoryPlan,
+    state: CollectorState,
+    epoch: Any,
+    rng: jax.Array,
+    current_version: Any = 0,
 ) -> tuple[CollectorState, MicroBatches]:
     """Flush one epoch of every source as micro-batches per Actor rank.
 
@@ -100,6 +104,8 @@ def flush(
       state: the stacked collector state (donate it).
       epoch: the epoch to flush (int or traced int32).
       rng: PRNG key for the shuffle.
+      current_version: the policy version now training; with ``plan.max_staleness``
+        set, older samples get a false ``loss_mask``.
 
     Returns:
       ``(state, micro_batches)``. An incomplete or already flushed epoch records
@@ -112,7 +118,7 @@ def flush(
     # Materialise every epoch without slicing: the per-chunk fields are the buffers
     # themselves, so the only copy of the big fields is the final gather.
     trajs = jax.vmap(lambda st: materialize(plan, st))(state)  # [S, E, T(+1), B, ...]
-    targets = jax.vmap(lambda tr: trajectory_targets(plan, tr))(trajs)  # [S, E, T, B]
+    targets = jax.vmap(lambda tr: trajectory_targets(plan, tr, current_version))(trajs)
 
     S, E, T, B = state.sources.shape[0], plan.num_epochs, plan.num_chunks, plan.batch_size
     N = S * T * B  # samples of one epoch
@@ -190,7 +196,7 @@ def make_flush(
     source_axis: str = "sources",
     actor_axis: str = "actor",
 ):
-    """The jitted pipeline flush ``(state, epoch, rng) -> (state, micro_batches)``.
+    """The jitted pipeline flush ``(state, epoch, rng, current_version=0) -> (state, batches)``.
 
     Without a mesh: ``jax.jit`` with the state donated. With one: the state's sources
     are sharded over ``source_axis`` (place it with :func:`shard_state`) and every

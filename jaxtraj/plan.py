@@ -44,6 +44,9 @@ class TrajectoryPlan:
       auto_reset: environments reset themselves on done; without it, rows after an
         environment's first done in an epoch are padding (masked out of the loss and
         of the normalisation).
+      max_staleness: mask samples produced by a policy version more than this many
+        versions older than the current one (``-1``: never). ``trajectory_targets``
+        and the pipeline flush take the current version.
       actor_ranks: pipeline mode packs micro-batches for this many Actor ranks.
       micro_batch_size: samples per micro-batch (pipeline mode); ``0`` means the
         whole epoch's samples in one micro-batch per rank.
@@ -75,6 +78,7 @@ class TrajectoryPlan:
     advantage: str = "gae"
     normalize_advantages: bool = True
     auto_reset: bool = True
+    max_staleness: int = -1
     actor_ranks: int = 1
     micro_batch_size: int = 0
     max_episode_length: int = 1000

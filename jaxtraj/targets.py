@@ -6,6 +6,8 @@ same numbers.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -54,12 +56,19 @@ def chunk_level(traj: Trajectory) -> tuple[jax.Array, jax.Array, jax.Array | Non
     return rewards, dones, values
 
 
-def trajectory_targets(plan: TrajectoryPlan, traj: Trajectory) -> Targets:
+def trajectory_targets(
+    plan: TrajectoryPlan, traj: Trajectory, current_version: Any = None
+) -> Targets:
     """Advantages and returns of every epoch of a trajectory.
 
     Each epoch is its own recurrence over ``T`` chunks, bootstrapped by its
     ``prev_values[:, T]``. With ``plan.advantage == "gae"`` and values present:
     ``jaxtraj.gae``; otherwise the critic-free discounted returns.
+
+    Args:
+      current_version: the policy version now training. With ``plan.max_staleness``
+        set, rows whose oldest action came from a version more than that many
+        versions older are not ``valid`` (masked out of the loss and normalisation).
     """
     rewards, dones, values = chunk_level(traj)
     swap = lambda x: jnp.swapaxes(x, 0, 1)  # [E, T, B] -> [T, E, B]: time-major, epochs batched
@@ -74,4 +83,8 @@ def trajectory_targets(plan: TrajectoryPlan, traj: Trajectory) -> Targets:
         valid = jnp.ones(rewards.shape, bool)
     else:  # after an episode ends without reset, the environment's rows are padding
         valid = ~jnp.cumsum(dones[:, :-1], axis=1, dtype=jnp.int32).astype(bool)
+    if plan.max_staleness >= 0 and traj.versions is not None and current_version is not None:
+        staleness = traj.staleness(current_version)
+        staleness = staleness.reshape(staleness.shape[:3] + (-1,)).max(axis=-1)
+        valid = valid & (staleness <= plan.max_staleness)
     return Targets(advantages=swap(a), returns=swap(r), rewards=rewards, dones=dones, valid=valid)

@@ -382,6 +382,10 @@ class Trajectory:
     env_rank: Array
     stage_id: Array
 
+    def staleness(self, current_version: Any) -> Array:
+        """``current_version - versions``: how many policy updates old each sample is."""
+        return jnp.asarray(current_version, jnp.int32) - jnp.asarray(self.versions, jnp.int32)
+
     @classmethod
     def from_steps(
         cls,

@@ -129,3 +129,23 @@ def test_incomplete_epoch_and_bad_mesh():
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("sources", "actor"))
     odd = dataclasses.replace(PIPE, actor_ranks=3)
     jaxtraj.pipeline.make_flush(odd, mesh)  # 3 ranks over an axis of size 1 is fine
+
+
+def test_stale_samples_are_masked():
+    plan = dataclasses.replace(PIPE, max_staleness=1)
+    c = jaxtraj.TrajectoryCollector(plan, policy_part(0), env_part(0), rng=jax.random.PRNGKey(3))
+    c.current_version = 2
+    parts = []
+    for p in all_parts(0) + all_parts(1):
+        if isinstance(p, jaxtraj.PolicyPart):  # chunk t was produced by policy version t
+            t = int(p.source.key.chunk_id)
+            p = p.replace(output=p.output.replace(versions=np.full((B,), t, np.int32)))
+        parts.append(p)
+    out = c.add_many(parts)
+    for items in by_epoch(out):
+        tag = np.concatenate([sample_ids(mb)[0][np.asarray(mb.loss_mask)] for mb in items])
+        chunks = tag % 10
+        assert sorted(set(chunks.tolist())) == [1, 2]  # version 0 is 2 behind: masked
+        assert len(tag) == S * (T - 1) * B
+        a = np.concatenate([np.asarray(mb.advantages)[np.asarray(mb.loss_mask)] for mb in items])
+        np.testing.assert_allclose([a.mean(), a.std()], [0.0, 1.0], atol=1e-4)  # over valid rows
