@@ -192,6 +192,7 @@ def env_structure(
     rows = slots.check_payload(
         "EnvPart", payload, layout.replace(final_values=None, next_obs=None), lead, key
     )
+    _check_interventions(state, part.transition, lead, key)
     has_final = part.final_values is not None
     if has_final:
         if layout.final_values is None:
@@ -217,6 +218,36 @@ def env_structure(
             key,
         )
     return rows, has_initial, has_final, has_next
+
+
+def _check_interventions(state: CollectorState, tr: EnvTransition, lead: int, key: Any) -> None:
+    """Interventions must fit the action chunk: ``intervene_actions`` as many elements per
+    row as the policy's actions, ``intervene_flags`` boolean, one per action ``[rows, K]``."""
+    actions = state.policy.output.actions
+    per_row = int(np.prod(actions.shape[lead + 1 :]))
+    if tr.intervene_actions is not None:
+        shape = np.shape(tr.intervene_actions)
+        if int(np.prod(shape[1:])) != per_row:
+            raise CollectorError(
+                key,
+                ErrorCode.STRUCTURE_MISMATCH,
+                f"EnvTransition.intervene_actions: shape {tuple(shape)} does not match the "
+                f"action chunk {tuple(actions.shape[lead + 1 :])} per row",
+            )
+        if tr.intervene_flags is None:
+            raise CollectorError(
+                key, ErrorCode.STRUCTURE_MISMATCH, "intervene_actions without intervene_flags"
+            )
+    if tr.intervene_flags is not None:
+        shape = np.shape(tr.intervene_flags)
+        dtype = getattr(tr.intervene_flags, "dtype", None)
+        if dtype != np.bool_ or len(shape) != 2 or per_row % max(shape[1], 1):
+            raise CollectorError(
+                key,
+                ErrorCode.STRUCTURE_MISMATCH,
+                f"EnvTransition.intervene_flags: must be bool [rows, K] with K dividing the "
+                f"{per_row} action elements per row, got {dtype} {tuple(shape)}",
+            )
 
 
 def _write(buffer: PyTree, data: PyTree, start: tuple, ok: jax.Array) -> PyTree:

@@ -334,14 +334,27 @@ class TrajectoryStep:
         ``intervene_flags [..., K]`` selects, per action, the human action from
         ``intervene_actions`` (same size as ``actions``) over the policy's; the flags
         are recorded per action element in ``intervene_flags`` shaped like
-        ``actions``.
+        ``actions``. A retained forward input named ``"action"`` or ``"actions"``
+        (what the training forward pass scores) is replaced by the executed actions,
+        so log-probabilities are recomputed for what was actually done.
         """
         lead = intervene_flags.shape
         actions = self.actions.reshape(lead + (-1,))
         expert = jnp.asarray(intervene_actions).reshape(lead + (-1,)).astype(actions.dtype)
         flags = jnp.broadcast_to(intervene_flags[..., None], actions.shape)
         executed = jnp.where(flags, expert, actions).reshape(self.actions.shape)
-        return self.replace(actions=executed, intervene_flags=flags.reshape(self.actions.shape))
+        forward_inputs = self.forward_inputs
+        if isinstance(forward_inputs, dict):
+            forward_inputs = dict(forward_inputs)
+            for name in ("action", "actions"):
+                x = forward_inputs.get(name)
+                if x is not None and x.size == executed.size:
+                    forward_inputs[name] = executed.reshape(x.shape).astype(x.dtype)
+        return self.replace(
+            actions=executed,
+            intervene_flags=flags.reshape(self.actions.shape),
+            forward_inputs=forward_inputs,
+        )
 
 
 def _with_boundary(first: Array | None, rest: Array | None, axis: int) -> Array | None:
@@ -381,6 +394,27 @@ class Trajectory:
     step_id: Array
     env_rank: Array
     stage_id: Array
+
+    def intervened_segments(self, mode: str = "any") -> list[tuple[int, int, int, int]]:
+        """Runs of intervened chunks, for DAgger- or HIL-style training (host side).
+
+        A chunk counts as intervened if ``"any"`` (or ``"all"``) of its executed actions
+        came from the human. Returns ``(epoch, env, first_chunk, end_chunk)`` per maximal
+        run, ``end_chunk`` exclusive; ``[]`` without interventions.
+        """
+        if mode not in ("any", "all"):
+            raise ValueError(f"mode must be 'any' or 'all', got {mode!r}")
+        if self.intervene_flags is None:
+            return []
+        flags = np.asarray(self.intervene_flags)
+        flags = flags.reshape(flags.shape[:3] + (-1,))
+        chunk = flags.any(-1) if mode == "any" else flags.all(-1)  # [E, T, B]
+        out = []
+        for e, b in np.ndindex(chunk.shape[0], chunk.shape[2]):
+            run = np.diff(np.concatenate([[0], chunk[e, :, b].astype(np.int8), [0]]))
+            starts, ends = np.flatnonzero(run == 1), np.flatnonzero(run == -1)
+            out += [(int(e), int(b), int(s), int(t)) for s, t in zip(starts, ends)]
+        return out
 
     def staleness(self, current_version: Any) -> Array:
         """``current_version - versions``: how many policy updates old each sample is."""
