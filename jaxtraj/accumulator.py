@@ -51,6 +51,7 @@ def materialize(
         source_steps(plan, state, s),
         take(state.initial),
         next_obs_given=take(state.next_obs_given),
+        next_rlt_given=take(state.next_rlt_given),
         step_id=take(state.step),
         env_rank=sources[0],
         stage_id=sources[1],

@@ -202,7 +202,8 @@ class TrajectoryCollector:
                     lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], np.asarray(x).dtype), part
                 )
             if isinstance(part, PolicyPart):
-                flags = (joiner.policy_structure(self._layout, view, key), False, False, False)
+                rows = joiner.policy_structure(self._layout, view, key)
+                flags = (rows, False, False, False, False)
             else:
                 flags = joiner.env_structure(self._layout, view, key)
             self._checked[sig] = flags
@@ -217,7 +218,7 @@ class TrajectoryCollector:
             raise CollectorError(None, ErrorCode.STRUCTURE_MISMATCH, f"not a part: {type(part)}")
         key = part.source.key.as_tuple()
         bs, off = int(np.asarray(part.source.batch_size)), int(np.asarray(part.source.offset))
-        rows, has_initial, has_final, has_next = self._structure(part, False, key)
+        rows, has_initial, has_final, has_next, has_rlt = self._structure(part, False, key)
         s = self._source_index.get((key[2], key[3]))
         found, s = s is not None, s or 0
         src = TrajectorySource(TrajectoryKey(*key), bs, off)
@@ -234,6 +235,7 @@ class TrajectoryCollector:
                 has_initial=has_initial,
                 has_final=has_final,
                 has_next_obs=has_next or not self.plan.collect_transitions,
+                has_next_rlt=has_rlt or not self.plan.enable_rlt,
                 needs_final=self._needs_final,
                 cut=bool(np.any(slots.cut_flags(self.plan, part))),
             )
@@ -254,7 +256,7 @@ class TrajectoryCollector:
         keys = np.stack([np.asarray(v, np.int64) for v in part.source.key.fields()], axis=1)
         bs = np.asarray(part.source.batch_size, np.int64)
         off = np.asarray(part.source.offset, np.int64)
-        rows, has_initial, has_final, has_next = self._structure(part, True, keys[0])
+        rows, has_initial, has_final, has_next, has_rlt = self._structure(part, True, keys[0])
         n = keys.shape[0]
         bs, off = np.broadcast_to(bs, (n,)), np.broadcast_to(off, (n,))
         match = (self._sources[None, :, 0] == keys[:, 2:3]) & (
@@ -285,6 +287,7 @@ class TrajectoryCollector:
                 has_initial=has_initial,
                 has_final=has_final,
                 has_next_obs=has_next or not self.plan.collect_transitions,
+                has_next_rlt=has_rlt or not self.plan.enable_rlt,
                 needs_final=self._needs_final,
                 cut=_per_part_any(slots.cut_flags(self.plan, part), n),
             )

@@ -54,7 +54,8 @@ _REASONS = {
         "V(s_T), and a chunk that truncates an episode the value V(final obs)"
     ),
     ErrorCode.MISSING_NEXT_OBS: (
-        "collect_transitions needs the last chunk's env half to carry the next_obs override"
+        "the last chunk's env half must carry the next state: next_obs (collect_transitions) "
+        "and next_rlt_obs (enable_rlt)"
     ),
     ErrorCode.NON_FINITE: "non-finite rewards or values",
     ErrorCode.INCOMPLETE_SCOPE: "flush of an incomplete scope",

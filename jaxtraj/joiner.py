@@ -36,7 +36,7 @@ from jax import lax
 from jaxtraj import slots
 from jaxtraj.errors import CollectorError, ErrorCode
 from jaxtraj.plan import TrajectoryPlan
-from jaxtraj.types import EnvPart, EnvTransition, PolicyPart
+from jaxtraj.types import EnvPart, EnvTransition, PolicyPart, rlt_features
 
 PyTree = Any
 
@@ -54,6 +54,8 @@ class CollectorState:
       policy_rows, env_rows: ``[E, T, B]`` bool, rows received per half.
       next_obs_given: ``[E, T, B]`` bool, rows with an explicit ``next_obs``
         (``collect_transitions`` only).
+      next_rlt_given: ``[E, T, B]`` bool, rows with an explicit ``next_rlt_obs``
+        (``enable_rlt`` only).
       epochs_flushed: ``[E]`` bool, epochs pipeline mode has flushed this step.
       sources: ``[2]`` int32, the ``(env_rank, stage_id)`` this state holds.
       step: int32, the source's current training step.
@@ -67,6 +69,7 @@ class CollectorState:
     policy_rows: jax.Array
     env_rows: jax.Array
     next_obs_given: jax.Array | None
+    next_rlt_given: jax.Array | None
     epochs_flushed: jax.Array
     sources: jax.Array
     step: jax.Array
@@ -100,13 +103,18 @@ def _env_layout(plan: TrajectoryPlan, policy_example: PolicyPart, env_example: E
     next_obs = None
     if plan.collect_transitions:
         next_obs = env_example.next_obs if env_example.next_obs is not None else policy_example.obs
+    next_rlt = None
+    if plan.enable_rlt:  # the compact next-state features: z_rl, proprio, ref_chunk only
+        next_rlt = env_example.next_rlt_obs
+        if next_rlt is None:
+            next_rlt = rlt_features(policy_example.output.forward_inputs)
     return EnvPart(
         source=None,
         transition=env_example.transition,
         next_obs=next_obs,
         initial_transition=None,
         final_values=final,
-        next_rlt_obs=env_example.next_rlt_obs,
+        next_rlt_obs=next_rlt,
     )
 
 
@@ -119,6 +127,7 @@ def _init_one(plan, policy_example, env_example, source, step_id) -> CollectorSt
         policy_rows=jnp.zeros((E, T, B), bool),
         env_rows=jnp.zeros((E, T, B), bool),
         next_obs_given=jnp.zeros((E, T, B), bool) if plan.collect_transitions else None,
+        next_rlt_given=jnp.zeros((E, T, B), bool) if plan.enable_rlt else None,
         epochs_flushed=jnp.zeros((E,), bool),
         sources=jnp.asarray(source, jnp.int32),
         step=jnp.asarray(step_id, jnp.int32),
@@ -179,19 +188,18 @@ def policy_structure(state: CollectorState, part: PolicyPart, key: Any = None) -
 
 def env_structure(
     state: CollectorState, part: EnvPart, key: Any = None
-) -> tuple[int, bool, bool, bool]:
+) -> tuple[int, bool, bool, bool, bool]:
     """Check an env half against the buffers (trace time).
 
-    Returns ``(rows, has_initial, has_final, has_next_obs)``: its row count and which
-    optional boundary fields it carries that the buffers retain.
+    Returns ``(rows, has_initial, has_final, has_next_obs, has_next_rlt)``: its row
+    count and which optional boundary fields it carries that the buffers retain.
     """
     if not isinstance(part, EnvPart):
         raise CollectorError(key, ErrorCode.STRUCTURE_MISMATCH, f"not an EnvPart: {type(part)}")
     lead, layout = _lead(state), state.env
-    payload = part.replace(source=None, initial_transition=None, final_values=None, next_obs=None)
-    rows = slots.check_payload(
-        "EnvPart", payload, layout.replace(final_values=None, next_obs=None), lead, key
-    )
+    optional = dict(initial_transition=None, final_values=None, next_obs=None, next_rlt_obs=None)
+    payload = part.replace(source=None, **optional)
+    rows = slots.check_payload("EnvPart", payload, layout.replace(**optional), lead, key)
     _check_interventions(state, part.transition, lead, key)
     has_final = part.final_values is not None
     if has_final:
@@ -208,6 +216,11 @@ def env_structure(
     has_next = part.next_obs is not None and layout.next_obs is not None
     if has_next:
         slots.check_payload("EnvPart.next_obs", part.next_obs, layout.next_obs, lead, key)
+    has_rlt = part.next_rlt_obs is not None and layout.next_rlt_obs is not None
+    if has_rlt:
+        slots.check_payload(
+            "EnvPart.next_rlt_obs", part.next_rlt_obs, layout.next_rlt_obs, lead, key
+        )
     has_initial = part.initial_transition is not None
     if has_initial:
         slots.check_payload(
@@ -217,7 +230,7 @@ def env_structure(
             lead - 1,
             key,
         )
-    return rows, has_initial, has_final, has_next
+    return rows, has_initial, has_final, has_next, has_rlt
 
 
 def _check_interventions(state: CollectorState, tr: EnvTransition, lead: int, key: Any) -> None:
@@ -353,7 +366,7 @@ def add_env(plan: TrajectoryPlan, state: CollectorState, part: EnvPart) -> Colle
     ``collect_transitions``. ``next_obs`` elsewhere is an optional override.
     """
     layout = state.env
-    rows, has_initial, has_final, has_next = env_structure(state, part)
+    rows, has_initial, has_final, has_next, has_rlt = env_structure(state, part)
     checks, start, s, key = _route(plan, state, part, rows, state.env_rows)
     checks += slots.env_checks(
         jnp,
@@ -362,6 +375,7 @@ def add_env(plan: TrajectoryPlan, state: CollectorState, part: EnvPart) -> Colle
         has_initial=has_initial,
         has_final=has_final,
         has_next_obs=has_next or layout.next_obs is None,
+        has_next_rlt=has_rlt or layout.next_rlt_obs is None,
         needs_final=state.policy.output.prev_values is not None,
         cut=_any(slots.cut_flags(plan, part)),
     )
@@ -378,6 +392,7 @@ def add_env(plan: TrajectoryPlan, state: CollectorState, part: EnvPart) -> Colle
         initial_transition=None,
         final_values=part.final_values if has_final else jax.tree.map(fill, layout.final_values),
         next_obs=part.next_obs if has_next else jax.tree.map(fill, layout.next_obs),
+        next_rlt_obs=part.next_rlt_obs if has_rlt else jax.tree.map(fill, layout.next_rlt_obs),
     )
     state = state.replace(
         env=_write(layout, written, start, ok),
@@ -386,6 +401,9 @@ def add_env(plan: TrajectoryPlan, state: CollectorState, part: EnvPart) -> Colle
     if state.next_obs_given is not None:
         given = jnp.full((rows,), has_next, bool)
         state = state.replace(next_obs_given=_write(state.next_obs_given, given, start, ok))
+    if state.next_rlt_given is not None:
+        given = jnp.full((rows,), has_rlt, bool)
+        state = state.replace(next_rlt_given=_write(state.next_rlt_given, given, start, ok))
     if has_initial:
         initial_start = start[:-3] + (key.epoch_id, start[-1])
         state = state.replace(

@@ -179,6 +179,7 @@ def flush(
         policy_rows=keep(state.policy_rows),
         env_rows=keep(state.env_rows),
         next_obs_given=None if state.next_obs_given is None else keep(state.next_obs_given),
+        next_rlt_given=None if state.next_rlt_given is None else keep(state.next_rlt_given),
         step=state.step + step_done.astype(jnp.int32),
     )
     key = TrajectoryKey(state.step[0], e, -1, -1, -1)

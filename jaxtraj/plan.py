@@ -27,6 +27,9 @@ class TrajectoryPlan:
         ``"pipeline"`` or ``"lerobot"``.
       collect_transitions: retain the resolved next observation of every step.
         Off, it costs no memory.
+      enable_rlt: retain RLT's compact features, ``z_rl``, ``proprio`` and
+        ``ref_chunk`` from the forward inputs, for the current and the next state
+        (never the whole next forward-input dictionary).
       nonfinite: ``"reject"`` parts whose rewards or values are not finite, or
         ``"allow"`` them.
       env_reward_weight: weight of the environment reward in ``compute_rewards``.
@@ -68,6 +71,7 @@ class TrajectoryPlan:
     num_stages: int = 1
     mode: str = "rollout"
     collect_transitions: bool = False
+    enable_rlt: bool = False
     nonfinite: str = "reject"
     env_reward_weight: float = 1.0
     reward_model_weight: float = 1.0

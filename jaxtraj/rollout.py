@@ -61,6 +61,7 @@ def flush(
             policy_rows=fresh(state.policy_rows),
             env_rows=fresh(state.env_rows),
             next_obs_given=fresh(state.next_obs_given),
+            next_rlt_given=fresh(state.next_rlt_given),
             epochs_flushed=fresh(state.epochs_flushed),
             step=state.step + 1,
         )
@@ -74,6 +75,7 @@ def flush(
         policy_rows=clear(state.policy_rows),
         env_rows=clear(state.env_rows),
         next_obs_given=clear(state.next_obs_given),
+        next_rlt_given=clear(state.next_rlt_given),
         step=put(state.step, at(state.step) + complete.astype(jnp.int32)),
     )
     key = TrajectoryKey(traj.step_id, -1, traj.env_rank, traj.stage_id, -1)

@@ -86,6 +86,7 @@ def env_checks(
     has_next_obs: bool,
     needs_final: bool,
     cut: Any = False,
+    has_next_rlt: bool = True,
 ) -> list[tuple[Any, ErrorCode]]:
     """Boundary rules of an env half: chunk zero's ``initial_transition``, the bootstrap
     value ``final_values`` on the last chunk and on any chunk that cuts an episode
@@ -97,6 +98,7 @@ def env_checks(
         ((chunk_id != 0) & has_initial, ErrorCode.UNEXPECTED_INITIAL_TRANSITION),
         ((last | cut) & needs_final & (not has_final), ErrorCode.MISSING_FINAL_VALUES),
         (last & plan.collect_transitions & (not has_next_obs), ErrorCode.MISSING_NEXT_OBS),
+        (last & plan.enable_rlt & (not has_next_rlt), ErrorCode.MISSING_NEXT_OBS),
     ]
 
 

@@ -27,6 +27,25 @@ from flax import struct
 Array = Any
 PyTree = Any
 
+RLT_KEYS = ("z_rl", "proprio", "ref_chunk")
+
+
+def rlt_features(forward_inputs: Any, key: Any = None) -> dict:
+    """RLT's compact state features of a policy's forward inputs: ``z_rl``, ``proprio``
+    and ``ref_chunk``, nothing else. Raises ``CollectorError`` naming what is missing."""
+    from jaxtraj.errors import CollectorError, ErrorCode
+
+    missing = [
+        k for k in RLT_KEYS if not isinstance(forward_inputs, dict) or k not in forward_inputs
+    ]
+    if missing:
+        raise CollectorError(
+            key,
+            ErrorCode.STRUCTURE_MISMATCH,
+            f"enable_rlt needs PolicyOutput.forward_inputs to hold {list(RLT_KEYS)}; missing {missing}",
+        )
+    return {k: forward_inputs[k] for k in RLT_KEYS}
+
 
 @struct.dataclass
 class TrajectoryKey:
@@ -291,6 +310,8 @@ class TrajectoryStep:
     intervene_flags: Array | None = None
     final_values: Array | None = None
     next_obs: PyTree | None = None
+    rlt_obs: PyTree | None = None
+    next_rlt_obs: PyTree | None = None
 
     @classmethod
     def from_parts(cls, policy: PolicyPart, env: EnvPart, plan: Any = None) -> TrajectoryStep:
@@ -321,6 +342,10 @@ class TrajectoryStep:
             truncations=tr.truncations,
             final_values=env.final_values,
             next_obs=env.next_obs,
+            rlt_obs=rlt_features(out.forward_inputs)
+            if getattr(plan, "enable_rlt", False)
+            else None,
+            next_rlt_obs=env.next_rlt_obs if getattr(plan, "enable_rlt", False) else None,
         )
         if tr.intervene_actions is not None:
             step = step.apply_interventions(tr.intervene_actions, tr.intervene_flags)
@@ -334,26 +359,34 @@ class TrajectoryStep:
         ``intervene_flags [..., K]`` selects, per action, the human action from
         ``intervene_actions`` (same size as ``actions``) over the policy's; the flags
         are recorded per action element in ``intervene_flags`` shaped like
-        ``actions``. A retained forward input named ``"action"`` or ``"actions"``
-        (what the training forward pass scores) is replaced by the executed actions,
-        so log-probabilities are recomputed for what was actually done.
+        ``actions``. The same replacement applies to a retained forward input named
+        ``"action"`` or ``"actions"`` (what the training forward pass scores, so
+        log-probabilities are recomputed for what was actually done) and to RLT's
+        ``ref_chunk``.
         """
         lead = intervene_flags.shape
         actions = self.actions.reshape(lead + (-1,))
         expert = jnp.asarray(intervene_actions).reshape(lead + (-1,)).astype(actions.dtype)
         flags = jnp.broadcast_to(intervene_flags[..., None], actions.shape)
         executed = jnp.where(flags, expert, actions).reshape(self.actions.shape)
-        forward_inputs = self.forward_inputs
-        if isinstance(forward_inputs, dict):
-            forward_inputs = dict(forward_inputs)
-            for name in ("action", "actions"):
-                x = forward_inputs.get(name)
+
+        def intervened(tree, names):  # those entries of a dict, with the human actions in
+            if not isinstance(tree, dict):
+                return tree
+            tree = dict(tree)
+            for name in names:
+                x = tree.get(name)
                 if x is not None and x.size == executed.size:
-                    forward_inputs[name] = executed.reshape(x.shape).astype(x.dtype)
+                    x_k = jnp.asarray(x).reshape(actions.shape)
+                    tree[name] = jnp.where(flags, expert.astype(x_k.dtype), x_k).reshape(x.shape)
+            return tree
+
         return self.replace(
             actions=executed,
             intervene_flags=flags.reshape(self.actions.shape),
-            forward_inputs=forward_inputs,
+            forward_inputs=intervened(self.forward_inputs, ("action", "actions")),
+            # RLT's reference chunk takes the executed human actions too.
+            rlt_obs=intervened(self.rlt_obs, ("ref_chunk",)),
         )
 
 
@@ -374,6 +407,7 @@ class Trajectory:
         dones, terminations, truncations: [E, T+1, B(, K)]  index 0: d_before
         prev_values:    [E, T+1, B(, 1)]                   index T: V(s_final)
         next_obs:       [E, T, B, ...] (collect_transitions only)
+        rlt_obs, next_rlt_obs: {z_rl, proprio, ref_chunk} [E, T, B, ...] (enable_rlt only)
 
     ``step_id``, ``env_rank`` and ``stage_id`` name the source and step.
     """
@@ -391,6 +425,8 @@ class Trajectory:
     truncations: Array | None
     intervene_flags: Array | None
     next_obs: PyTree | None
+    rlt_obs: PyTree | None
+    next_rlt_obs: PyTree | None
     step_id: Array
     env_rank: Array
     stage_id: Array
@@ -427,6 +463,7 @@ class Trajectory:
         initial: EnvTransition,
         *,
         next_obs_given: Array | None = None,
+        next_rlt_given: Array | None = None,
         step_id: Any = 0,
         env_rank: Any = 0,
         stage_id: Any = 0,
@@ -439,6 +476,8 @@ class Trajectory:
           next_obs_given: ``[E, T, B]`` bool, where ``steps.next_obs`` holds an explicit
             override; elsewhere the next step's ``obs`` is the next observation. Only
             used when ``steps.next_obs`` is retained (``collect_transitions``).
+          next_rlt_given: likewise for ``steps.next_rlt_obs`` against the next step's
+            ``rlt_obs`` (``enable_rlt``).
         """
         prev_values = None
         if steps.prev_values is not None and steps.final_values is not None:
@@ -446,15 +485,17 @@ class Trajectory:
                 [steps.prev_values, steps.final_values[:, -1:].astype(steps.prev_values.dtype)],
                 axis=1,
             )
-        next_obs = None
-        if steps.next_obs is not None:
 
-            def resolve(override, obs):
-                following = jnp.concatenate([obs[:, 1:], override[:, -1:]], axis=1)
-                mask = next_obs_given.reshape(next_obs_given.shape + (1,) * (obs.ndim - 3))
-                return jnp.where(mask, override, following)
+        def resolve(override, current, given):
+            """The next state: the override where given, else the next step's current."""
 
-            next_obs = jax.tree.map(resolve, steps.next_obs, steps.obs)
+            def one(o, c):
+                following = jnp.concatenate([c[:, 1:], o[:, -1:]], axis=1)
+                mask = given.reshape(given.shape + (1,) * (c.ndim - 3))
+                return jnp.where(mask, o, following)
+
+            return None if override is None else jax.tree.map(one, override, current)
+
         return cls(
             obs=steps.obs,
             actions=steps.actions,
@@ -468,7 +509,9 @@ class Trajectory:
             terminations=_with_boundary(initial.terminations, steps.terminations, 1),
             truncations=_with_boundary(initial.truncations, steps.truncations, 1),
             intervene_flags=steps.intervene_flags,
-            next_obs=next_obs,
+            next_obs=resolve(steps.next_obs, steps.obs, next_obs_given),
+            rlt_obs=steps.rlt_obs,
+            next_rlt_obs=resolve(steps.next_rlt_obs, steps.rlt_obs, next_rlt_given),
             step_id=jnp.asarray(step_id, jnp.int32),
             env_rank=jnp.asarray(env_rank, jnp.int32),
             stage_id=jnp.asarray(stage_id, jnp.int32),
