@@ -28,6 +28,7 @@ Writes ``benchmarks/results/collect.json`` and prints a table.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -316,6 +317,21 @@ def capacity_scaling(repeats, small=64, large=4096, B=64, inserts=64):
     }
 
 
+def memory(parts, plan):
+    """Bytes of the collector state: transitions off (the default) against on.
+
+    Off, the state holds the step's parts plus per-row masks and nothing more; on, it
+    adds one next-observation buffer.
+    """
+    pol, env = examples(parts)
+    size = lambda st: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(st))
+    off = jax.eval_shape(lambda: jaxtraj.init(plan, pol, env))
+    on = jax.eval_shape(
+        lambda: jaxtraj.init(dataclasses.replace(plan, collect_transitions=True), pol, env)
+    )
+    return {"parts_bytes": nbytes(parts), "state_bytes_off": size(off), "state_bytes_on": size(on)}
+
+
 def machine():
     return {
         "platform": platform.platform(),
@@ -362,6 +378,7 @@ def main():
         "step": {"B": B, "T": T, "E": 1, "halves": len(parts), "bytes": nbytes(parts)},
         "results": results,
         "tiny_parts": tiny_overhead(repeats, halves=1024 if args.quick else 4096),
+        "memory": memory(parts, plan),
         "capacity": capacity_scaling(repeats, large=512 if args.quick else 4096),
     }
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
@@ -380,6 +397,11 @@ def main():
             f"tiny parts (B=8, no image), add_many of {name} batches of {tiny['batch']}: "
             f"{r['us_per_half']:.2f} us/half, overhead over memcpy {r['overhead_us_per_half']:.2f} us/half"
         )
+    mem = report["memory"]
+    print(
+        f"state memory: parts {mem['parts_bytes'] / 2**20:.2f} MiB; state with transitions off "
+        f"{mem['state_bytes_off'] / 2**20:.2f} MiB, on {mem['state_bytes_on'] / 2**20:.2f} MiB"
+    )
     cap = report["capacity"]
     us = cap["us_per_insert"]
     print(

@@ -110,3 +110,43 @@ def test_critic_free_returns(advantage):
     # discounted sums cut at the done after chunk 1: G_2 = 3, G_1 = 2, G_0 = 1 + 0.5*2
     np.testing.assert_allclose(tg.returns[0, :, 0], [2.0, 2.0, 3.0])
     np.testing.assert_allclose(tg.advantages, tg.returns)
+
+
+def test_a_done_in_the_middle_of_a_chunk():
+    """Auto-reset inside a chunk: action 0 of chunk 1 ends the episode (K = 2 actions)."""
+    plan = jaxtraj.TrajectoryPlan(num_chunks=3, batch_size=1, gamma=0.9, gae_lambda=0.5)
+    ps = parts(truncated_at=-1)
+    for i, p in enumerate(ps):
+        if isinstance(p, EnvPart):  # action-level flags and rewards [B, K]
+            t = i // 2
+            term = np.array([[t == 1, False]])
+            no = np.zeros((1, 2), bool)
+            tr = p.transition.replace(
+                rewards=np.array([[p.transition.rewards[0], 0.0]], np.float32), terminations=term, truncations=no
+            )
+            initial = EnvTransition(terminations=no, truncations=no) if t == 0 else None
+            ps[i] = p.replace(transition=tr, initial_transition=initial)
+    traj = collect(plan, ps)
+    assert traj.dones.shape == (1, 4, 1, 2)
+    np.testing.assert_array_equal(traj.dones[0, 2, 0], [True, False])  # after chunk 1, action 0
+    tg = jaxtraj.trajectory_targets(plan, traj)
+    np.testing.assert_array_equal(tg.dones[0, :, 0], [False, False, True, False])  # chunk level
+    # By hand, rewards summed per chunk [1, 2, 3], values [0.5, 1, 1.5, 2], cut after chunk 1:
+    # A_2 = 3 + 0.9*2 - 1.5 = 3.3; A_1 = 2 - 1 = 1.0; A_0 = 1 + 0.9*1 - 0.5 + 0.45*1.0 = 1.85
+    np.testing.assert_allclose(tg.advantages[0, :, 0], [1.85, 1.0, 3.3], rtol=1e-5)
+    # As dataset frames (one per action) the episode ends exactly there.
+    frames, done = jaxtraj.types.trajectory_frames(traj, per_action=True, actions_per_chunk=2)
+    np.testing.assert_array_equal(done[:, 0], [False, False, True, False, False, False])
+
+
+def test_reward_model_signal_of_another_batch_is_rejected():
+    plan = jaxtraj.TrajectoryPlan(num_chunks=3, batch_size=1)
+    ps = parts(rm=(1.0, 0.0, -1.0))
+    c = jaxtraj.TrajectoryCollector(plan, ps[0], ps[1])
+    bad = ps[3].replace(transition=ps[3].transition.replace(reward_model_output=np.zeros((2,), np.float32)))
+    with pytest.raises(jaxtraj.CollectorError, match="reward_model_output") as info:
+        c.add(bad)
+    assert info.value.code == jaxtraj.ErrorCode.STRUCTURE_MISMATCH
+    for p in ps:  # nothing was lost: the step completes as before
+        out = c.add(p)
+    assert len(out) == 1
