@@ -97,7 +97,10 @@ class TrajectoryCollector:
       rng: pipeline mode's PRNG key; epoch ``e`` of step ``k`` is shuffled with
         ``fold_in(fold_in(rng, k), e)``, whatever the arrival order.
       mesh, source_axis, actor_axis: pipeline mode on several devices: sources
-        sharded over ``source_axis``, micro-batches over ``actor_axis``.
+        sharded over ``source_axis``, micro-batches over ``actor_axis``. With
+        several processes (``jax.distributed``), give each process its own
+        ``sources``, a mesh over all processes' devices, ``auto_flush=False``, and
+        call :meth:`flush_epoch` on every process in the same order.
       writer: lerobot mode: an object with ``add_episodes(episodes, tasks)``, e.g. a
         ``jaxtraj.lerobot_writer.LeRobotWriter``.
       tasks: lerobot mode: the task string of every environment (one string for all,
@@ -126,7 +129,11 @@ class TrajectoryCollector:
         self._pipeline = plan.mode == "pipeline"
         if self._pipeline:  # one stacked state: the flush spans every source
             state = joiner.init(plan, policy_example, env_example, sources=sources, step_id=step_id)
-            if mesh is not None:
+            # Several processes (jax.distributed): this process's sources stay local and
+            # form a global state only inside the flush.
+            self._multihost = mesh is not None and jax.process_count() > 1
+            self._mesh, self._source_axis = mesh, source_axis
+            if mesh is not None and not self._multihost:
                 state = pipeline.shard_state(state, mesh, source_axis)
             self._states = [state]
             self._pipeline_flush = pipeline.make_flush(
@@ -433,15 +440,19 @@ class TrajectoryCollector:
             )
         # The shuffle key depends on (step, epoch) only, not on which epoch completed first.
         sub = jax.random.fold_in(jax.random.fold_in(self._rng, int(self._step[0])), epoch)
-        self._states[0], batches = self._pipeline_flush(
-            self._states[0], epoch, sub, self.current_version
-        )
+        state = self._states[0]
+        if self._multihost:
+            state = pipeline.global_state(state, self._mesh, self._source_axis)
+        state, batches = self._pipeline_flush(state, epoch, sub, self.current_version)
+        self._states[0] = pipeline.local_state(state) if self._multihost else state
         self._flushed[epoch] = True
         if self._flushed.all():
             self._flushed[:] = False
             for mask in self._rows.values():
                 mask[:] = False
             self._step += 1
+        if self._multihost:  # the global micro-batches: each process reads its shards
+            return [("actor", batches)]
         R = self.plan.actor_ranks
         return [(f"actor_{r}", jax.tree.map(lambda x, r=r: x[r], batches)) for r in range(R)]
 

@@ -236,3 +236,24 @@ def shard_state(state: CollectorState, mesh: Mesh, source_axis: str = "sources")
             f"axis {source_axis!r} of size {n}"
         )
     return jax.device_put(state, NamedSharding(mesh, P(source_axis)))
+
+
+def global_state(local: CollectorState, mesh: Mesh, source_axis: str = "sources") -> CollectorState:
+    """Multi-host: every process's local stacked state, as one global state.
+
+    Each process owns some sources and inserts their parts locally; at flush time the
+    local states (equal source counts, in process order) form global arrays sharded
+    over ``source_axis`` of a mesh that spans the processes. Every process calls this
+    and the flush together, in the same order (they are collective programs).
+    """
+    if source_axis not in mesh.axis_names:
+        raise ValueError(
+            f"source_axis={source_axis!r} is not an axis of the mesh {dict(mesh.shape)}"
+        )
+    sharding = NamedSharding(mesh, P(source_axis))
+    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), local)
+
+
+def local_state(state: CollectorState) -> CollectorState:
+    """Multi-host: this process's sources of a global state, as local arrays."""
+    return jax.tree.map(lambda x: jax.device_put(x.addressable_shards[0].data), state)

@@ -1,0 +1,73 @@
+"""Run by test_multihost.py as 2 processes on loopback (jax.distributed, gloo on CPU),
+each with 4 simulated CPU devices: argv = process id, coordinator port.
+
+Each process owns two of the four environment ranks and inserts only their parts; the
+pipeline flush forms global arrays over a mesh spanning both processes. Every shard a
+process holds equals the same slice of a single-process flush of all sources.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+pid, port = int(sys.argv[1]), sys.argv[2]
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid)
+
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from helpers import PLAN, all_parts, env_part, policy_part  # noqa: E402
+
+import jaxtraj  # noqa: E402
+
+assert jax.process_count() == 2 and len(jax.devices()) == 8
+plan = dataclasses.replace(
+    PLAN, mode="pipeline", num_env_ranks=4, actor_ranks=4, micro_batch_size=6
+)
+key = jax.random.PRNGKey(11)
+mine = [(2 * pid, 0), (2 * pid + 1, 0)]
+mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("sources", "actor"))
+
+# Single-process reference, on this process's own devices only.
+with jax.default_device(jax.local_devices()[0]):
+    ref = jaxtraj.TrajectoryCollector(plan, policy_part(0), env_part(0), rng=key, auto_flush=False)
+    ref.add_many([p for r in range(4) for p in all_parts(r)])
+    reference = [ref.flush_epoch(e) for e in range(plan.num_epochs)]
+
+c = jaxtraj.TrajectoryCollector(
+    plan, policy_part(0), env_part(0), sources=mine, rng=key, mesh=mesh, auto_flush=False
+)
+order = np.random.default_rng(pid).permutation(2 * len(all_parts(0)))
+local_parts = [p for r, _ in mine for p in all_parts(r)]
+for i in order:
+    assert c.add(local_parts[i]) == []
+assert c.epochs_ready() == list(range(plan.num_epochs))
+checked = 0
+for e in range(plan.num_epochs):
+    ((queue_key, batches),) = c.flush_epoch(e)
+    assert queue_key == "actor"
+    ranks = [mb for _, mb in reference[e]]
+    for (path, got), want_leaves in zip(
+        jax.tree_util.tree_flatten_with_path(batches)[0],
+        zip(*[jax.tree.leaves(mb) for mb in ranks]),
+    ):
+        full = np.stack([np.asarray(w) for w in want_leaves])  # [R, MB, M, ...]
+        assert got.sharding.spec[0] == "actor", (path, got.sharding)
+        for shard in got.addressable_shards:
+            tol = 1e-6 if "advantages" in jax.tree_util.keystr(path) else 0
+            np.testing.assert_allclose(
+                np.asarray(shard.data), full[shard.index], rtol=tol, atol=tol
+            )
+            checked += 1
+assert c.current_step(*mine[0]) == 1  # the step advanced after its last epoch
+print(f"process {pid}: {checked} shards == single-process flush", flush=True)
+jax.distributed.shutdown()
