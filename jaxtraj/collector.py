@@ -10,6 +10,7 @@ reason, and returns queue-ready ``(queue_key, item)`` pairs when a scope complet
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -20,7 +21,7 @@ from jaxtraj import episodes as ep_lib
 from jaxtraj import joiner, lerobot, pipeline, rollout, slots
 from jaxtraj.errors import CollectorError, ErrorCode
 from jaxtraj.plan import TrajectoryPlan
-from jaxtraj.types import EnvPart, PolicyPart, Trajectory, TrajectoryKey, TrajectorySource
+from jaxtraj.types import EnvPart, PolicyPart, Trajectory, TrajectoryKey, TrajectorySource, rows_of
 
 _jit = functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
 _ADD = {PolicyPart: _jit(joiner.add_policy), EnvPart: _jit(joiner.add_env)}
@@ -164,6 +165,7 @@ class TrajectoryCollector:
         self._rows = {PolicyPart: np.zeros(shape, bool), EnvPart: np.zeros(shape, bool)}
         self._step = np.full((len(sources),), step_id, np.int64)
         self._needs_final = self._states[0].policy.output.prev_values is not None
+        self._last_seen = np.full((len(sources),), time.monotonic())
         self._layout = (
             jax.tree.map(lambda x: x[0], self._states[0]) if self._pipeline else self._states[0]
         )
@@ -323,11 +325,78 @@ class TrajectoryCollector:
         Raises:
           CollectorError: the part is rejected; nothing changes.
         """
-        s, e, t, off, rows = self._check_one(part)
+        try:
+            s, e, t, off, rows = self._check_one(part)
+        except CollectorError as err:
+            if err.code == ErrorCode.DUPLICATE and self._identical_resend(part):
+                return []  # a restarted worker's re-send of what we have: accepted once, a no-op
+            raise
         i = self._state_index(s)
         self._states[i] = _ADD[type(part)](self.plan, self._states[i], part)
         self._rows[type(part)][s, e, t, off : off + rows] = True
+        self._last_seen[s] = time.monotonic()
         return self._flush_complete([s])
+
+    def _identical_resend(self, part: Any) -> bool:
+        """With ``plan.resend == "accept_identical"``: whether every row of ``part`` was
+        received already, with exactly this data (one device-to-host read of those rows)."""
+        if self.plan.resend != "accept_identical":
+            return False
+        key = part.source.key.as_tuple()
+        s = self._source_index[(key[2], key[3])]
+        e, t, off = key[1], key[4], int(np.asarray(part.source.offset))
+        rows = rows_of(part.replace(source=None))
+        if not self._rows[type(part)][s, e, t, off : off + rows].all():
+            return False  # a partial overlap is not a re-send
+        state = self._states[self._state_index(s)]
+        at = (s, e, t) if state.stacked else (e, t)
+        if isinstance(part, PolicyPart):
+            sent, kept = part.replace(source=None), state.policy
+        else:
+            fields = dict(source=None, initial_transition=None, next_obs=None, next_rlt_obs=None)
+            sent = part.replace(**fields, final_values=None)
+            kept = state.env.replace(**fields, final_values=None)
+            if part.final_values is not None:
+                sent, kept = (sent, part.final_values), (kept, state.env.final_values)
+        stored = jax.tree.map(lambda b: np.asarray(b[at][off : off + rows]), kept)
+        same = jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), b), sent, stored)
+        return all(jax.tree.leaves(same))
+
+    def missing(self) -> list[tuple[tuple[int, ...], str, int]]:
+        """What the current step still waits for: ``(key, half, rows missing)`` per slot."""
+        out = []
+        for kind, name in ((PolicyPart, "policy"), (EnvPart, "env")):
+            rows = self._rows[kind]
+            for s, e, t in zip(*np.nonzero(~rows.all(axis=-1))):
+                if self._pipeline and self._flushed[e]:
+                    continue
+                r, st = (int(v) for v in self._sources[s])
+                key = (int(self._step[s]), int(e), r, st, int(t))
+                out.append((key, name, int((~rows[s, e, t]).sum())))
+        return sorted(out)
+
+    def check_stalled(self, timeout_s: float, now: float | None = None) -> None:
+        """Raise if a source has parts missing and sent nothing for ``timeout_s`` seconds.
+
+        Call it from the service loop. The other sources' data is untouched and still
+        flushes; the stalled source's parts can still arrive after the error.
+
+        Raises:
+          CollectorError: ``SOURCE_TIMEOUT``, naming the stalled source and its
+            missing keys.
+        """
+        now = time.monotonic() if now is None else now
+        waiting = {(k[2], k[3]) for k, _, _ in self.missing()}
+        for s in np.argsort(self._last_seen, kind="stable"):  # the longest silent first
+            r, st = (int(v) for v in self._sources[s])
+            if (r, st) in waiting and now - self._last_seen[s] > timeout_s:
+                keys = [k for k, half, _ in self.missing() if (k[2], k[3]) == (r, st)]
+                shown = ", ".join(str(k) for k in keys[:8]) + (" ..." if len(keys) > 8 else "")
+                raise CollectorError(
+                    (int(self._step[s]), -1, r, st, -1),
+                    ErrorCode.SOURCE_TIMEOUT,
+                    f"{len(keys)} halves missing after {timeout_s} s: {shown}",
+                )
 
     def add_many(self, parts: Iterable[PolicyPart | EnvPart] | PolicyPart | EnvPart):
         """Insert many halves with one device call per source and group of like parts.
@@ -361,6 +430,7 @@ class TrajectoryCollector:
                     sub = jax.tree.map(lambda x, s=s: np.asarray(x)[s_of == s], group)
                 self._states[s] = _ADD_MANY[type(group)](self.plan, self._states[s], sub)
         self._rows = mirror
+        self._last_seen[sorted(touched)] = time.monotonic()
         return self._flush_complete(sorted(touched))
 
     def ready(self) -> list[tuple[int, int]]:
@@ -385,6 +455,7 @@ class TrajectoryCollector:
         return self._flush_index(s)
 
     def _flush_index(self, s: int) -> tuple[str, Any]:
+        self._last_seen[s] = time.monotonic()  # the next step starts now
         if self.plan.mode == "lerobot":
             return self._flush_episodes(s)
         traj, self._states[s] = _flush(self.plan, self._states[s])

@@ -36,6 +36,7 @@ class ErrorCode(enum.IntEnum):
     INCOMPLETE_SCOPE = 14
     STRUCTURE_MISMATCH = 15
     EPISODE_OVERFLOW = 16
+    SOURCE_TIMEOUT = 17
 
 
 _REASONS = {
@@ -59,6 +60,7 @@ _REASONS = {
     ),
     ErrorCode.NON_FINITE: "non-finite rewards or values",
     ErrorCode.INCOMPLETE_SCOPE: "flush of an incomplete scope",
+    ErrorCode.SOURCE_TIMEOUT: "a source stopped reporting: parts still missing after the timeout",
     ErrorCode.EPISODE_OVERFLOW: "an episode is longer than the plan's max_episode_length",
     ErrorCode.STRUCTURE_MISMATCH: "part structure, shape or dtype differs from the plan's example",
 }

@@ -35,6 +35,10 @@ class TrajectoryPlan:
       env_reward_weight: weight of the environment reward in ``compute_rewards``.
       reward_model_weight: weight of ``EnvTransition.reward_model_output``.
       queue_key: the queue key flushed rollout items are routed to.
+      resend: a half received again (a worker restarted and re-sent it) is a
+        duplicate and ``"reject"``-ed, or, with ``"accept_identical"``, accepted once
+        more as a no-op when its data equals what was received (the facade compares;
+        different data is still rejected).
       gamma: discount per chunk.
       truncation_bootstrap: where ``compute_rewards`` adds ``gamma * V(final obs)``
         (``EnvPart.final_values``): on ``"truncated"`` actions (default), on any
@@ -76,6 +80,7 @@ class TrajectoryPlan:
     env_reward_weight: float = 1.0
     reward_model_weight: float = 1.0
     queue_key: str = "default"
+    resend: str = "reject"
     gamma: float = 0.99
     truncation_bootstrap: str = "truncated"
     gae_lambda: float = 0.95
@@ -112,6 +117,10 @@ class TrajectoryPlan:
             raise ValueError(
                 f"TrajectoryPlan.actor_ranks must be >= 1 and micro_batch_size >= 0, got "
                 f"{self.actor_ranks!r} and {self.micro_batch_size!r}"
+            )
+        if self.resend not in ("reject", "accept_identical"):
+            raise ValueError(
+                f"TrajectoryPlan.resend must be 'reject' or 'accept_identical', got {self.resend!r}"
             )
         if self.truncation_bootstrap not in BOOTSTRAP:
             raise ValueError(
