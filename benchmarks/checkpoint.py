@@ -1,0 +1,96 @@
+"""Checkpoint and restore of a collector mid-step, against numpy writing and reading the
+same bytes (``np.savez`` / ``np.load``), in one run.
+
+The collector holds half a training step of the realistic parts of
+``benchmarks/collect.py`` (B = 64 environments, T = 64 chunks: image, state, actions,
+log-probabilities, values, tokens, action-level rewards), so partial slots included.
+
+    python benchmarks/checkpoint.py [--quick]
+
+Writes ``benchmarks/results/checkpoint.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from collect import examples, machine, make_parts
+
+import jaxtraj
+from jaxtraj import TrajectoryPlan, checkpoint
+
+
+def median_time(fn, repeats):
+    times = []
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        fn(i)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--out", default=os.path.join(os.path.dirname(__file__), "results", "checkpoint.json")
+    )
+    args = parser.parse_args()
+    B, T = (16, 16) if args.quick else (64, 64)
+    parts = make_parts(B, T)
+    plan = TrajectoryPlan(num_chunks=T, batch_size=B)
+    c = jaxtraj.TrajectoryCollector(plan, *examples(parts))
+    c.add_many(parts[: len(parts) // 2])
+    arrays = [np.asarray(x) for x in jax.tree.leaves(checkpoint._tree(c))]
+    nbytes = sum(a.nbytes for a in arrays)
+    root = Path(tempfile.mkdtemp(dir=os.environ.get("JAXTRAJ_BENCH_DIR")))
+    try:
+        save_s = median_time(lambda i: checkpoint.save(c, root / f"ck{i}"), args.repeats)
+        restore_s = median_time(
+            lambda i: jax.block_until_ready(
+                checkpoint.restore(root / f"ck{i}", plan, *examples(parts)).states
+            ),
+            args.repeats,
+        )
+        np_save_s = median_time(lambda i: np.savez(root / f"np{i}.npz", *arrays), args.repeats)
+
+        def np_load(i):
+            with np.load(root / f"np{i}.npz") as f:
+                [f[k] for k in f.files]
+
+        np_load_s = median_time(np_load, args.repeats)
+    finally:
+        shutil.rmtree(root)
+    report = {
+        "benchmark": "checkpoint",
+        "machine": machine(),
+        "bytes": nbytes,
+        "save_ms": save_s * 1e3,
+        "restore_ms": restore_s * 1e3,
+        "numpy_save_ms": np_save_s * 1e3,
+        "numpy_load_ms": np_load_s * 1e3,
+        "save_x_numpy": save_s / np_save_s,
+        "restore_x_numpy": restore_s / np_load_s,
+    }
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=2)
+    print(
+        f"checkpoint of {nbytes / 2**20:.1f} MiB: save {save_s * 1e3:.1f} ms "
+        f"({report['save_x_numpy']:.2f}x np.savez {np_save_s * 1e3:.1f} ms), restore "
+        f"{restore_s * 1e3:.1f} ms ({report['restore_x_numpy']:.2f}x np.load {np_load_s * 1e3:.1f} ms)"
+    )
+
+
+if __name__ == "__main__":
+    main()
