@@ -1,0 +1,1 @@
+"""Runners: service loops that feed the collector."""

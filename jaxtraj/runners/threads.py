@@ -1,0 +1,497 @@
+"""Host-thread runners: environment workers and a policy worker feeding one collector.
+
+Threads and queues::
+
+    env worker r (one per env rank) --requests (bounded)--> policy worker
+    policy worker --actions (one reply queue per env rank, size 1)--> env worker r
+    env workers, policy worker --parts (bounded)--> consumer --> TrajectoryCollector
+    consumer --> on_flush(queue_key, item) | output_queue | the list run() returns
+
+The consumer is the thread that calls :meth:`AsyncRunner.run`: it is the only thread
+that touches the collector (the facade is not thread-safe). Parts reach it out of
+order: the two halves of a chunk come from two producers, and ``jitter_s`` delays
+each publication by a random amount.
+
+Every blocking ``put``/``get`` polls a stop event, so a failing worker stops all the
+others within ~50 ms. The first failure wins: :meth:`run` drains the parts already
+published by healthy workers into the collector (their flushes are delivered), joins
+every thread, and raises :class:`RunnerError` naming the worker and the key it was
+working on. What was collected stays in the collector (``collector.missing()`` lists
+what the interrupted step still waits for). A ``KeyboardInterrupt`` in ``run`` stops
+the workers the same way and is re-raised.
+
+Randomness is derived from the chunk's key (:func:`key_rng`), never from arrival
+order, so :class:`AsyncRunner` produces the same trajectories as a synchronous loop over
+the same environments, policy and keys.
+"""
+
+from __future__ import annotations
+
+import queue
+import random
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import jax
+import numpy as np
+
+from jaxtraj import joiner, slots
+from jaxtraj.collector import TrajectoryCollector
+from jaxtraj.errors import CollectorError, ErrorCode
+from jaxtraj.types import (
+    EnvPart,
+    EnvTransition,
+    PolicyOutput,
+    PolicyPart,
+    TrajectoryKey,
+    TrajectorySource,
+)
+
+PyTree = Any
+_POLL_S = 0.05
+
+
+class RunnerError(RuntimeError):
+    """A runner worker failed; every thread was stopped.
+
+    Attributes:
+      worker: the failing worker's name (``"env_worker_2"``, ``"policy_worker"``,
+        ``"consumer"``).
+      key: the ``(step_id, epoch_id, env_rank, stage_id, chunk_id)`` it was working on,
+        or ``None``.
+      cause: the original exception (also ``__cause__``).
+      delivered: how many flushed items were delivered before the failure.
+    """
+
+    def __init__(self, worker: str, key: tuple | None, cause: BaseException, delivered: int = 0):
+        self.worker, self.key, self.cause, self.delivered = worker, key, cause, delivered
+        super().__init__(f"{worker} failed at key {key}: {type(cause).__name__}: {cause}")
+
+
+@dataclass(frozen=True)
+class EnvStep:
+    """What an environment returns for one executed chunk.
+
+    Attributes:
+      transition: the chunk's :class:`EnvTransition` (rewards, flags, ...), rows ``[B]``.
+      obs: the observation the next chunk's policy sees (after any auto-reset).
+      final_values: ``[B]`` ``V(final obs)`` from terminal inference (required on the
+        last chunk of an epoch and on chunks that truncate, when the plan has values).
+      next_obs: an explicit post-action observation (terminal boundary override).
+    """
+
+    transition: EnvTransition
+    obs: PyTree
+    final_values: Any = None
+    next_obs: PyTree = None
+
+
+class Env(Protocol):
+    """One environment rank: ``B`` vectorised environments (host callables)."""
+
+    def reset(self) -> PyTree:
+        """The first observation, leaves ``[B, ...]``."""
+
+    def step(self, key: TrajectoryKey, actions: Any) -> EnvStep:
+        """Execute one action chunk ``[B, K, A]`` for chunk ``key``."""
+
+
+PolicyFn = Callable[[Any, PyTree, jax.Array], PolicyOutput]
+
+
+@jax.jit
+def _fold_key(seed: jax.Array, fields: jax.Array) -> jax.Array:
+    rng = jax.random.PRNGKey(seed)
+    for i in range(5):
+        rng = jax.random.fold_in(rng, fields[i])
+    return rng
+
+
+def key_rng(seed: int, key: TrajectoryKey) -> jax.Array:
+    """The PRNG key of a chunk: ``seed`` folded with every field of ``key`` (one device
+    call, independent of arrival order)."""
+    return _fold_key(np.int32(seed), np.asarray([int(v) for v in key.fields()], np.int32))
+
+
+class _Stopped(Exception):
+    """Raised inside a worker when another thread asked everyone to stop."""
+
+
+def _spec(tree: PyTree) -> PyTree:
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), tree)
+
+
+class AsyncRunner:
+    """Environment workers and a policy worker in host threads, one consumer feeding the
+    collector.
+
+    Args:
+      collector: the :class:`TrajectoryCollector` to feed (rollout, pipeline or lerobot
+        mode); only the thread calling :meth:`run` touches it.
+      envs: one :class:`Env` per env rank; ``envs[r]`` owns rank ``env_ranks[r]``.
+      policy_fn: ``policy_fn(params, obs, rng) -> PolicyOutput`` for a batch ``[B, ...]``;
+        the runner stamps ``versions`` with the current model version.
+      params: the initial policy parameters (version 0).
+      num_steps: training steps to collect (each: every epoch and chunk of the plan).
+      step_id, stage_id: the first training step, and the stage of every key.
+      env_ranks: the env rank of each env; default ``range(len(envs))``.
+      seed: base seed of :func:`key_rng` (policy sampling).
+      on_flush: ``on_flush(queue_key, item)`` called for each flushed item; else
+        ``output_queue.put((queue_key, item))``; else :meth:`run` returns the items.
+      queue_size: bound of the request and parts queues.
+      jitter_s: each producer sleeps ``uniform(0, jitter_s)`` before publishing a part
+        (simulated transport delays; seeded by ``seed``).
+
+    Example::
+
+        runner = AsyncRunner(collector, [PointEnv(r) for r in range(2)], policy, params,
+                             num_steps=3, on_flush=lambda q, traj: actor_queue.put(traj))
+        runner.run()                      # blocks; update_policy() from another thread
+    """
+
+    pipelined = False  # DecoupledRunner: request the next chunk before stepping this one
+
+    def __init__(
+        self,
+        collector: TrajectoryCollector,
+        envs: Sequence[Env],
+        policy_fn: PolicyFn,
+        params: Any,
+        *,
+        num_steps: int = 1,
+        step_id: int = 0,
+        stage_id: int = 0,
+        env_ranks: Sequence[int] | None = None,
+        seed: int = 0,
+        on_flush: Callable[[str, Any], None] | None = None,
+        output_queue: queue.Queue | None = None,
+        queue_size: int = 64,
+        jitter_s: float = 0.0,
+    ):
+        self.collector, self.plan = collector, collector.plan
+        self.envs, self.policy_fn = list(envs), policy_fn
+        self.env_ranks = list(range(len(self.envs)) if env_ranks is None else env_ranks)
+        if len(self.env_ranks) != len(self.envs):
+            raise ValueError(f"{len(self.envs)} envs but {len(self.env_ranks)} env_ranks")
+        self.num_steps, self.step_id, self.stage_id = num_steps, step_id, stage_id
+        self.seed, self.on_flush, self.output_queue = seed, on_flush, output_queue
+        self.jitter_s = jitter_s
+        self._params, self._version = params, 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._failure: tuple[str, tuple | None, BaseException] | None = None
+        self._requests: queue.Queue = queue.Queue(queue_size)
+        self._parts: queue.Queue = queue.Queue(queue_size)
+        self._replies = [queue.Queue(1) for _ in self.envs]
+        self._threads: list[threading.Thread] = []
+        self.max_qsize = {"requests": 0, "parts": 0, "replies": 0}
+        self.delivered = 0
+        # The buffers' layout (shapes only), to check each half in its own worker.
+        self._layout = _spec(collector.states[0])
+        self._lead = self._layout.policy_rows.ndim - 1
+        self._stamp = self._layout.policy.output.versions is not None
+        self._checked: set = set()
+
+    # -- public ----------------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        """The model version the policy worker stamps on new chunks."""
+        return self._version
+
+    def update_policy(self, params: Any) -> int:
+        """Swap in new parameters (thread-safe, during :meth:`run`); returns the new version.
+
+        Requests served after the call use ``params`` and carry the new version.
+        """
+        with self._lock:
+            self._params, self._version = params, self._version + 1
+            return self._version
+
+    def keys(self, env_rank: int) -> list[TrajectoryKey]:
+        """The keys env rank ``env_rank`` produces, in order."""
+        p = self.plan
+        return [
+            TrajectoryKey(s, e, env_rank, self.stage_id, t)
+            for s in range(self.step_id, self.step_id + self.num_steps)
+            for e in range(p.num_epochs)
+            for t in range(p.num_chunks)
+        ]
+
+    def run(self) -> list[tuple[str, Any]]:
+        """Collect ``num_steps`` training steps; block until done.
+
+        Returns:
+          The flushed ``(queue_key, item)`` pairs when neither ``on_flush`` nor
+          ``output_queue`` is given, else ``[]``.
+
+        Raises:
+          RunnerError: a worker (or the collector, on a rejected part) failed; all
+            threads are stopped and joined first.
+        """
+        self._stop.clear()
+        self._failure = None
+        kept: list = []
+        total = 2 * len(self.envs) * self.num_steps * self.plan.num_epochs * self.plan.num_chunks
+        self._threads = [
+            threading.Thread(
+                target=self._guard,
+                args=(f"env_worker_{r}", self._env_worker, i),
+                name=f"jaxtraj-env_worker_{r}",
+                daemon=True,
+            )
+            for i, r in enumerate(self.env_ranks)
+        ]
+        self._threads.append(
+            threading.Thread(
+                target=self._guard,
+                args=("policy_worker", self._policy_worker, total // 2),
+                name="jaxtraj-policy_worker",
+                daemon=True,
+            )
+        )
+        received = 0
+        try:
+            for t in self._threads:
+                t.start()
+            while received < total and self._failure is None:
+                try:
+                    worker, part = self._parts.get(timeout=_POLL_S)
+                except queue.Empty:
+                    continue
+                received += 1
+                self._consume(worker, part, kept)
+        except BaseException as exc:  # KeyboardInterrupt included
+            self._fail("consumer", None, exc)
+        finally:
+            self._stop.set()
+            self._join()
+        if self._failure is not None:
+            self._drain(kept)
+            worker, key, exc = self._failure
+            if isinstance(exc, KeyboardInterrupt):
+                raise exc
+            raise RunnerError(worker, key, exc, self.delivered) from exc
+        return kept
+
+    # -- workers ---------------------------------------------------------------------
+
+    def _guard(self, name: str, fn: Callable, arg: Any) -> None:
+        ctx = {"key": None}
+        try:
+            fn(arg, ctx)
+        except _Stopped:
+            pass
+        except BaseException as exc:
+            self._fail(name, ctx["key"], exc)
+
+    def _fail(self, worker: str, key: Any, exc: BaseException) -> None:
+        with self._lock:
+            if self._failure is None:
+                if isinstance(exc, RunnerError):
+                    worker, key, exc = exc.worker, exc.key, exc.cause
+                if key is not None and not isinstance(key, tuple):
+                    key = key.as_tuple()
+                self._failure = (worker, key, exc)
+        self._stop.set()
+
+    def _put(self, q: queue.Queue, item: Any, name: str) -> None:
+        while not self._stop.is_set():
+            try:
+                q.put(item, timeout=_POLL_S)
+            except queue.Full:
+                continue
+            size = q.qsize()
+            if size > self.max_qsize[name]:
+                self.max_qsize[name] = size
+            return
+        raise _Stopped
+
+    def _get(self, q: queue.Queue) -> Any:
+        while not self._stop.is_set():
+            try:
+                return q.get(timeout=_POLL_S)
+            except queue.Empty:
+                continue
+        raise _Stopped
+
+    def _publish(self, worker: str, part: Any, rand: random.Random) -> None:
+        if self.jitter_s:
+            time.sleep(rand.uniform(0.0, self.jitter_s))
+        self._put(self._parts, (worker, part), "parts")
+
+    def _check(self, part: Any, key: TrajectoryKey) -> None:
+        """Structure check of a half in its producer's thread (cached by signature)."""
+        leaves, treedef = jax.tree.flatten(part.replace(source=None))
+        sig = (type(part), treedef, tuple((np.shape(x), np.asarray(x).dtype) for x in leaves))
+        if sig in self._checked:
+            return
+        if isinstance(part, PolicyPart):
+            joiner.policy_structure(self._layout, part, key.as_tuple())
+        else:
+            joiner.env_structure(self._layout, part, key.as_tuple())
+        self._checked.add(sig)
+
+    def _check_obs(self, obs: PyTree, key: TrajectoryKey) -> None:
+        rows = slots.check_payload(
+            "observation", obs, self._layout.policy.obs, self._lead, key.as_tuple()
+        )
+        if rows != self.plan.batch_size:
+            raise CollectorError(
+                key.as_tuple(),
+                ErrorCode.BATCH_SIZE_MISMATCH,
+                f"observation has {rows} rows, plan batch_size {self.plan.batch_size}",
+            )
+
+    def _env_worker(self, i: int, ctx: dict) -> None:
+        name, env, rank = f"env_worker_{self.env_ranks[i]}", self.envs[i], self.env_ranks[i]
+        rand = random.Random(self.seed * 7919 + 2 * i + 1)
+        keys = self.keys(rank)
+        ctx["key"] = keys[0]
+        obs = env.reset()
+        self._check_obs(obs, keys[0])
+        prev = None
+        if self.pipelined:
+            self._put(self._requests, (i, keys[0], obs), "requests")
+        for n, key in enumerate(keys):
+            ctx["key"] = key
+            if not self.pipelined:
+                self._put(self._requests, (i, key, obs), "requests")
+            actions = self._get(self._replies[i])
+            if self.pipelined and n + 1 < len(keys):
+                # Decoupled: the policy infers the next chunk from this (stale) observation
+                # while the environment executes this chunk.
+                self._put(self._requests, (i, keys[n + 1], obs), "requests")
+            out = env.step(key, actions)
+            if not isinstance(out, EnvStep):
+                raise TypeError(f"env.step must return an EnvStep, got {type(out).__name__}")
+            self._check_obs(out.obs, key)
+            initial = None
+            if int(key.chunk_id) == 0:
+                flags = prev if prev is not None else jax.tree.map(np.zeros_like, out.transition)
+                initial = flags.boundary()
+            next_obs = out.next_obs
+            if self.pipelined and next_obs is None:
+                next_obs = out.obs  # explicit boundary: the next policy saw a stale one
+            part = EnvPart(
+                source=TrajectorySource(key, self.plan.batch_size, 0),
+                transition=out.transition,
+                next_obs=next_obs,
+                initial_transition=initial,
+                final_values=out.final_values,
+            )
+            self._check(part, key)
+            self._publish(name, part, rand)
+            obs, prev = out.obs, out.transition
+
+    def _policy_worker(self, count: int, ctx: dict) -> None:
+        rand = random.Random(self.seed * 7919)
+        max_batch = getattr(self, "max_batch", 1)
+        served = 0
+        while served < count:
+            batch = [self._get(self._requests)]
+            while len(batch) < max_batch:
+                try:
+                    batch.append(self._requests.get_nowait())
+                except queue.Empty:
+                    break
+            served += len(batch)
+            ctx["key"] = batch[0][1]
+            with self._lock:
+                params, version = self._params, self._version
+            obs = batch[0][2]
+            if len(batch) > 1:
+                obs = jax.tree.map(lambda *xs: np.concatenate(xs), *[b[2] for b in batch])
+            output = self.policy_fn(params, obs, key_rng(self.seed, batch[0][1]))
+            output = jax.tree.map(np.asarray, output)
+            if self._stamp:
+                rows = np.shape(output.actions)[0]
+                output = output.replace(versions=np.full((rows,), version, np.int32))
+            bsz = self.plan.batch_size
+            for j, (i, key, o) in enumerate(batch):
+                ctx["key"] = key
+                own = output
+                if len(batch) > 1:
+                    own = jax.tree.map(lambda x, j=j: x[j * bsz : (j + 1) * bsz], output)
+                part = PolicyPart(TrajectorySource(key, bsz, 0), o, own)
+                self._check(part, key)  # before the env executes bad actions
+                self._put(self._replies[i], own.actions, "replies")
+                self._publish("policy_worker", part, rand)
+
+    # -- consumer --------------------------------------------------------------------
+
+    def _consume(self, worker: str, part: Any, kept: list) -> None:
+        try:
+            items = self.collector.add(part)
+        except CollectorError as exc:
+            raise RunnerError(worker, part.source.key.as_tuple(), exc, self.delivered) from exc
+        for item in items:
+            self._deliver(item, kept)
+
+    def _deliver(self, item: tuple[str, Any], kept: list) -> None:
+        if self.on_flush is not None:
+            self.on_flush(*item)
+        elif self.output_queue is not None:
+            self.output_queue.put(item)
+        else:
+            kept.append(item)
+        self.delivered += 1
+
+    def _drain(self, kept: list) -> None:
+        """After a failure: insert the parts healthy workers already published."""
+        while True:
+            try:
+                worker, part = self._parts.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                self._consume(worker, part, kept)
+            except Exception:  # the first failure is the one reported
+                return
+
+    def _join(self, timeout_s: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        alive = [t.name for t in self._threads if t.is_alive()]
+        if alive and self._failure is None:
+            self._fail("runner", None, RuntimeError(f"threads still running: {alive}"))
+
+
+class DecoupledRunner(AsyncRunner):
+    """Environment and policy at different rates, with explicit boundary observations.
+
+    Two decouplings over :class:`AsyncRunner`:
+
+    - **Pipelined inference**: env worker ``r`` requests chunk ``t + 1``'s actions with
+      its current observation *before* executing chunk ``t``, so inference overlaps
+      execution. Chunk ``t + 1``'s ``PolicyPart.obs`` is then the observation the
+      policy actually conditioned on (one chunk stale), and chunk ``t``'s
+      ``EnvPart.next_obs`` carries the true post-action observation as an explicit
+      boundary override (what ``Trajectory.next_obs`` holds with
+      ``collect_transitions``).
+    - **Batched policy**: the policy worker serves up to ``max_batch`` requests queued
+      by different env workers in one ``policy_fn`` call (rows concatenated, then split
+      back per key), so it runs at its own rate; the call's ``rng`` is the first
+      request's :func:`key_rng`, so sampled noise depends on how requests were batched.
+
+    Args:
+      max_batch: the most requests served by one policy call.
+      Other arguments as :class:`AsyncRunner`.
+
+    Example::
+
+        runner = DecoupledRunner(collector, envs, policy, params, max_batch=4)
+        items = runner.run()
+    """
+
+    pipelined = True
+
+    def __init__(self, *args: Any, max_batch: int = 4, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.max_batch = max_batch

@@ -1,0 +1,281 @@
+"""Host-thread runners: AsyncRunner and DecoupledRunner against a synchronous reference."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import random
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxtraj
+from jaxtraj import EnvTransition, PolicyOutput, TrajectoryKey, TrajectoryPlan
+from jaxtraj.runners.threads import AsyncRunner, DecoupledRunner, EnvStep, RunnerError, key_rng
+
+_spec = importlib.util.spec_from_file_location(
+    "collect_rollout", pathlib.Path(__file__).parents[1] / "examples" / "collect_rollout.py"
+)
+ex = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ex)
+
+B, T, E, RANKS, SEED = 4, 3, 2, 2, 0
+PARAMS = {
+    "w": 0.1 * jax.random.normal(jax.random.PRNGKey(1), (ex.OBS, ex.K * ex.A)),
+    "v": 0.5 * jax.random.normal(jax.random.PRNGKey(2), (ex.OBS,)),
+}
+
+
+class PointEnv:
+    """The example's point-mass task as a runner env; randomness from the chunk key."""
+
+    def __init__(self, rank, delay_s=0.0, fail_at=None, bad_obs_at=None, log=None):
+        self.rank, self.delay_s, self.fail_at, self.bad_obs_at = rank, delay_s, fail_at, bad_obs_at
+        self.rand = random.Random(rank)
+        self.log = log
+
+    def reset(self):
+        self.state = ex.env_reset(jax.random.PRNGKey(100 + self.rank), B)
+        return {"state": np.asarray(ex.observe(self.state))}
+
+    def step(self, key, actions):
+        if self.delay_s:
+            time.sleep(self.rand.uniform(0, self.delay_s))
+        if self.fail_at is not None and key.as_tuple() == self.fail_at:
+            raise RuntimeError("simulator crashed")
+        self.state, r, term, trunc, final_obs = ex.env_step_chunk(
+            self.state, jnp.asarray(actions), key_rng(SEED + 1, key)
+        )
+        obs = {"state": np.asarray(ex.observe(self.state))}
+        if self.bad_obs_at is not None and key.as_tuple() == self.bad_obs_at:
+            obs = {"state": np.zeros((B, ex.OBS + 1), np.float32)}
+        if self.log is not None:
+            self.log[key.as_tuple()] = obs["state"]
+        return EnvStep(
+            transition=EnvTransition(
+                rewards=np.asarray(r), terminations=np.asarray(term), truncations=np.asarray(trunc)
+            ),
+            obs=obs,
+            final_values=np.asarray(final_obs @ PARAMS["v"]),
+        )
+
+
+_RAND = random.Random(0)  # only the policy worker thread draws from it
+
+
+def policy_fn(params, obs, rng, delay_s=0.0):
+    if delay_s:
+        time.sleep(_RAND.uniform(0, delay_s))
+    actions, logp, value = ex.policy(params, jnp.asarray(obs["state"]), rng)
+    return PolicyOutput(
+        actions=np.asarray(actions),
+        prev_logprobs=np.asarray(logp),
+        prev_values=np.asarray(value),
+        versions=np.zeros((obs["state"].shape[0],), np.int32),
+        forward_inputs={"obs": np.asarray(obs["state"])},
+    )
+
+
+def make_collector(**plan_kw):
+    plan = TrajectoryPlan(num_chunks=T, num_epochs=E, batch_size=B, num_env_ranks=RANKS, **plan_kw)
+    key = TrajectoryKey(0, 0, 0, 0, 0)
+    env = PointEnv(0)
+    obs = env.reset()
+    out = policy_fn(PARAMS, obs, key_rng(SEED, key))
+    p = jaxtraj.PolicyPart(jaxtraj.TrajectorySource(key, B, 0), obs, out)
+    st = env.step(key, out.actions)
+    e = jaxtraj.EnvPart(
+        jaxtraj.TrajectorySource(key, B, 0),
+        st.transition,
+        next_obs=st.obs if plan.collect_transitions else None,
+        initial_transition=st.transition.boundary(),
+        final_values=st.final_values,
+    )
+    return jaxtraj.TrajectoryCollector(plan, p, e)
+
+
+def sync_reference(num_steps):
+    """The same envs, policy and keys in one thread, in order."""
+    collector = make_collector()
+    out = []
+    for rank in range(RANKS):
+        env = PointEnv(rank)
+        obs, prev = env.reset(), None
+        for s in range(num_steps):
+            for e in range(E):
+                for t in range(T):
+                    key = TrajectoryKey(s, e, rank, 0, t)
+                    o = policy_fn(PARAMS, obs, key_rng(SEED, key))
+                    src = jaxtraj.TrajectorySource(key, B, 0)
+                    out += collector.add(jaxtraj.PolicyPart(src, obs, o))
+                    st = env.step(key, o.actions)
+                    init = None
+                    if t == 0:
+                        init = (prev or jax.tree.map(np.zeros_like, st.transition)).boundary()
+                    part = jaxtraj.EnvPart(
+                        src, st.transition, initial_transition=init, final_values=st.final_values
+                    )
+                    out += collector.add(part)
+                    obs, prev = st.obs, st.transition
+    return {(int(tr.step_id), int(tr.env_rank)): tr for _, tr in out}
+
+
+def runner_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("jaxtraj-")]
+
+
+def assert_same(a, b):
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_async_matches_sync_reference_with_shuffled_delayed_arrivals():
+    ref = sync_reference(2)
+    runner = AsyncRunner(
+        make_collector(),
+        [PointEnv(r, delay_s=0.003) for r in range(RANKS)],
+        lambda p, o, k: policy_fn(p, o, k, delay_s=0.002),
+        PARAMS,
+        num_steps=2,
+        seed=SEED,
+        jitter_s=0.004,
+        queue_size=4,
+    )
+    items = runner.run()
+    got = {(int(tr.step_id), int(tr.env_rank)): tr for _, tr in items}
+    assert sorted(got) == sorted(ref) == [(s, r) for s in range(2) for r in range(RANKS)]
+    for k in ref:
+        assert_same(got[k], ref[k])
+    assert runner_threads() == []
+    assert max(runner.max_qsize.values()) <= 4
+
+
+def test_policy_update_mid_collection_shows_in_versions():
+    seen = []
+
+    class SlowEnv(PointEnv):
+        def step(self, key, actions):
+            if key.as_tuple() == (0, 1, 0, 0, 0):  # rank 0 reaches epoch 1: update
+                seen.append(runner.update_policy(PARAMS))
+            return super().step(key, actions)
+
+    envs = [SlowEnv(0), PointEnv(1)]
+    runner = AsyncRunner(make_collector(), envs, policy_fn, PARAMS, num_steps=1)
+    items = runner.run()
+    assert seen == [1] and runner.version == 1
+    traj = {int(tr.env_rank): tr for _, tr in items}[0]
+    v = np.asarray(traj.versions)  # [E, T, B]
+    assert (v[0] == 0).all()  # epoch 0 was inferred before the update
+    assert (v[1, 1:] == 1).all()  # after it, chunks carry the new version
+    assert set(np.unique(v)) == {0, 1}
+
+
+def test_env_failure_stops_cleanly_names_worker_and_key():
+    delivered = []
+    collector = make_collector()
+    fail = (1, 0, 1, 0, 1)  # step 1, epoch 0, rank 1, chunk 1
+    runner = AsyncRunner(
+        collector,
+        [PointEnv(0), PointEnv(1, fail_at=fail)],
+        policy_fn,
+        PARAMS,
+        num_steps=3,
+        on_flush=lambda q, tr: delivered.append(tr),
+    )
+    with pytest.raises(RunnerError) as info:
+        runner.run()
+    err = info.value
+    assert err.worker == "env_worker_1" and err.key == fail
+    assert "env_worker_1" in str(err) and str(fail) in str(err) and "simulator crashed" in str(err)
+    assert runner_threads() == []
+    # Step 0 of rank 1 was delivered intact; what step 1 collected is still in the collector.
+    ref = sync_reference(1)
+    got = {(int(tr.step_id), int(tr.env_rank)): tr for tr in delivered}
+    assert (0, 1) in got and err.delivered == len(delivered)
+    assert_same(got[(0, 1)], ref[(0, 1)])
+    assert collector.current_step(1) == 1
+    missing_rank1 = [k for k, _, _ in collector.missing() if k[2] == 1]
+    assert (1, 0, 1, 0, 0) not in missing_rank1  # chunk 0 of step 1 stayed collected
+    assert fail in missing_rank1
+
+
+def test_wrong_env_observation_shape_names_env_worker():
+    bad = (0, 0, 1, 0, 1)
+    runner = AsyncRunner(
+        make_collector(), [PointEnv(0), PointEnv(1, bad_obs_at=bad)], policy_fn, PARAMS
+    )
+    with pytest.raises(RunnerError) as info:
+        runner.run()
+    assert info.value.worker == "env_worker_1" and info.value.key == bad
+    assert isinstance(info.value.cause, jaxtraj.CollectorError)
+    assert "observation" in str(info.value) and "shape" in str(info.value)
+    assert runner_threads() == []
+
+
+def test_wrong_policy_chunk_size_names_policy_worker():
+    def short_chunks(params, obs, rng):
+        out = policy_fn(params, obs, rng)
+        return out.replace(actions=out.actions[:, :-1], prev_logprobs=out.prev_logprobs[:, :-1])
+
+    collector = make_collector()
+    runner = AsyncRunner(collector, [PointEnv(0), PointEnv(1)], short_chunks, PARAMS)
+    with pytest.raises(RunnerError) as info:
+        runner.run()
+    assert info.value.worker == "policy_worker"
+    assert info.value.key is not None and info.value.key[4] == 0
+    assert "actions" in str(info.value) and "STRUCTURE_MISMATCH" in repr(info.value.cause.code)
+    assert runner_threads() == []
+    assert len(collector.missing()) == 2 * RANKS * E * T  # nothing bad got in
+
+
+def test_decoupled_runner_boundary_observations():
+    log = {}
+    collector = make_collector(collect_transitions=True)
+    runner = DecoupledRunner(
+        collector,
+        [PointEnv(r, delay_s=0.002, log=log) for r in range(RANKS)],
+        policy_fn,
+        PARAMS,
+        num_steps=1,
+        max_batch=RANKS,
+        jitter_s=0.002,
+    )
+    items = runner.run()
+    assert runner_threads() == []
+    assert len(items) == RANKS
+    for _, tr in items:
+        r = int(tr.env_rank)
+        nxt, obs = np.asarray(tr.next_obs["state"]), np.asarray(tr.obs["state"])
+        for e in range(E):
+            for t in range(T):
+                # next_obs: the true post-action observation (explicit boundary) ...
+                np.testing.assert_array_equal(nxt[e, t], log[(0, e, r, 0, t)])
+                # ... while the policy of chunk t+1 saw the pre-chunk-t observation.
+                flat = e * T + t
+                if flat >= 1 and t + 1 < T:
+                    prev_key = (0, e, r, 0, t - 1) if t >= 1 else (0, e - 1, r, 0, T - 1)
+                    np.testing.assert_array_equal(obs[e, t + 1], log[prev_key])
+        # Policy outputs are consistent with the observation they were computed from.
+        np.testing.assert_allclose(
+            np.asarray(tr.prev_values)[:, :T], obs @ np.asarray(PARAMS["v"]), rtol=1e-5, atol=1e-6
+        )
+
+
+def test_keyboard_interrupt_in_consumer_stops_workers():
+    def interrupt(queue_key, traj):
+        raise KeyboardInterrupt
+
+    collector = make_collector()
+    runner = AsyncRunner(
+        collector, [PointEnv(0), PointEnv(1)], policy_fn, PARAMS, num_steps=3, on_flush=interrupt
+    )
+    with pytest.raises(KeyboardInterrupt):
+        runner.run()
+    assert runner_threads() == []
+    assert collector.current_step(0) + collector.current_step(1) >= 1  # the flush happened
