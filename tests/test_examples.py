@@ -45,3 +45,9 @@ def test_export_lerobot_writes_episodes_across_steps(tmp_path):
     carry = [json.loads(line.split("carry ")[1].split(" frames")[0]) for line in carried]
     assert sum(carry[0]) > 0
     assert info["total_frames"] + sum(carry[-1]) == 3 * 8 * 4 * 4  # steps x chunks x K x envs
+
+
+def test_async_and_decoupled_runner_examples_collect_two_steps():
+    for flags in ([], ["--decoupled"]):  # decoupled: next step's halves arrive early, are held
+        out = run("async_runner.py", "--steps", "2", *flags)
+        assert out.count("  step ") == 4, out

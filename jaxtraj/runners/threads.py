@@ -234,6 +234,7 @@ class AsyncRunner:
         """
         self._stop.clear()
         self._failure = None
+        self._held: list = []
         kept: list = []
         total = 2 * len(self.envs) * self.num_steps * self.plan.num_epochs * self.plan.num_chunks
         self._threads = [
@@ -424,12 +425,23 @@ class AsyncRunner:
     # -- consumer --------------------------------------------------------------------
 
     def _consume(self, worker: str, part: Any, kept: list) -> None:
+        key = part.source.key
         try:
+            current = self.collector.current_step(int(key.env_rank), int(key.stage_id))
+            if int(key.step_id) > current:
+                # The next step's half arrived before this step flushed (pipelined
+                # inference): hold it until its step is the current one.
+                self._held.append((worker, part))
+                return
             items = self.collector.add(part)
         except CollectorError as exc:
-            raise RunnerError(worker, part.source.key.as_tuple(), exc, self.delivered) from exc
+            raise RunnerError(worker, key.as_tuple(), exc, self.delivered) from exc
         for item in items:
             self._deliver(item, kept)
+        if items and self._held:
+            held, self._held = self._held, []
+            for w, p in held:
+                self._consume(w, p, kept)
 
     def _deliver(self, item: tuple[str, Any], kept: list) -> None:
         if self.on_flush is not None:
