@@ -89,7 +89,7 @@ class CollectorState:
 
 def _alloc(example: PyTree, lead: tuple[int, ...]) -> PyTree:
     def zeros(x):
-        dtype = jax.dtypes.canonicalize_dtype(getattr(x, "dtype", np.result_type(x)))
+        dtype = jax.dtypes.canonicalize_dtype(x.dtype if hasattr(x, "dtype") else np.result_type(x))
         return jnp.zeros(lead + tuple(np.shape(x)[1:]), dtype)
 
     return jax.tree.map(zeros, example)

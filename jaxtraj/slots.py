@@ -146,7 +146,7 @@ def check_payload(name: str, data: Any, buffer: Any, lead: int, key: Any = None)
     for path, x, b in zip(paths, d_leaves, b_leaves):
         shape = np.shape(x)
         want = tuple(b.shape[lead + 1 :])
-        dtype = jax.dtypes.canonicalize_dtype(getattr(x, "dtype", np.result_type(x)))
+        dtype = jax.dtypes.canonicalize_dtype(x.dtype if hasattr(x, "dtype") else np.result_type(x))
         if len(shape) < 1 or tuple(shape[1:]) != want or dtype != b.dtype:
             raise CollectorError(
                 key,

@@ -235,8 +235,10 @@ class EnvTransition:
         if self.rewards is None:
             return None
         rewards = self.rewards
+        if env_reward_weight != 1.0:
+            rewards = env_reward_weight * rewards
         if self.reward_model_output is not None:
-            rewards = env_reward_weight * rewards + reward_model_weight * jnp.asarray(
+            rewards = rewards + reward_model_weight * jnp.asarray(
                 self.reward_model_output, jnp.result_type(rewards)
             )
         cut = {"truncated": self.truncations, "done": self.resolved_dones()}.get(bootstrap)

@@ -150,3 +150,9 @@ def test_reward_model_signal_of_another_batch_is_rejected():
     for p in ps:  # nothing was lost: the step completes as before
         out = c.add(p)
     assert len(out) == 1
+
+
+def test_env_reward_weight_applies_without_a_reward_model():
+    plan = jaxtraj.TrajectoryPlan(num_chunks=3, batch_size=1, env_reward_weight=0.5, truncation_bootstrap="none")
+    traj = collect(plan, parts())
+    np.testing.assert_allclose(traj.rewards[0, :, 0], [0.5, 1.0, 1.5])

@@ -1,0 +1,172 @@
+"""The synchronous runner's collection overhead against a collector-free rollout.
+
+Both run the same jitted rollout of one training step: gymnax's Pendulum-v1 vmapped over
+``B`` environments, ``T`` chunks of ``K`` actions, an MLP policy (2 x 64, tanh) with a
+value head, terminal inference per chunk. The runner (:func:`jaxtraj.runners.sync.collect`)
+inserts both halves of every chunk into the collector inside its ``lax.scan`` (state
+donated); the baseline (:func:`jaxtraj.runners.sync.rollout_stacked`) only stacks the
+same parts as the scan's outputs. Timed: one training step each, median of interleaved
+repeats after compile; compile times separately. The runner's rollout-mode flush is
+reported alongside but is not part of the ratio.
+
+    python benchmarks/rollout.py [--quick]      (or: cd benchmarks && python rollout.py)
+
+Writes ``benchmarks/results/rollout.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import gymnax  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from collect import machine  # noqa: E402
+
+import jaxtraj  # noqa: E402
+from jaxtraj import PolicyOutput, TrajectoryPlan  # noqa: E402
+from jaxtraj.runners import sync  # noqa: E402
+
+A, OBS, HIDDEN = 1, 3, 64
+
+
+def make_policy(K: int):
+    def mlp(p, x):
+        for w, b in p[:-1]:
+            x = jnp.tanh(x @ w + b[None])
+        w, b = p[-1]
+        return x @ w + b[None]
+
+    def init(rng):
+        sizes = [(OBS, HIDDEN), (HIDDEN, HIDDEN)]
+        keys = jax.random.split(rng, 6)
+        layer = lambda k, i, o: (jax.random.normal(k, (i, o)) / np.sqrt(i), jnp.zeros((o,)))
+        actor = [layer(keys[j], *s) for j, s in enumerate(sizes)] + [layer(keys[2], HIDDEN, K)]
+        critic = [layer(keys[3 + j], *s) for j, s in enumerate(sizes)] + [layer(keys[5], HIDDEN, 1)]
+        return {"actor": actor, "critic": critic}
+
+    def value_fn(params, obs):
+        return mlp(params["critic"], obs)[:, 0]
+
+    def policy_fn(params, obs, key):
+        mean = mlp(params["actor"], obs).reshape(obs.shape[0], K, A)
+        noise = jax.random.normal(key, mean.shape)
+        return PolicyOutput(
+            actions=mean + noise,
+            prev_logprobs=-0.5 * noise**2 - 0.5 * np.log(2 * np.pi),
+            prev_values=value_fn(params, obs),
+        )
+
+    return init, policy_fn, value_fn
+
+
+def timed(fn, *args):
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(fn(*args))
+    return out, time.perf_counter() - t0
+
+
+def bench(B: int, T: int, K: int, repeats: int) -> dict:
+    env, env_params = gymnax.make("Pendulum-v1")
+    init, policy_fn, value_fn = make_policy(K)
+    params = init(jax.random.PRNGKey(0))
+    plan = TrajectoryPlan(num_chunks=T, batch_size=B)
+    pe, ve = sync.example_parts(env, env_params, policy_fn, value_fn, params, B, K)
+    state = jaxtraj.init(plan, pe, ve)
+    carry = sync.reset(env, env_params, jax.random.PRNGKey(1), B, K)
+
+    collect = sync.make_collect(plan, env, env_params, policy_fn, value_fn)
+    stacked = jax.jit(
+        lambda c, p: sync.rollout_stacked(plan, env, env_params, policy_fn, value_fn, c, p)
+    )
+    flush = jax.jit(jaxtraj.flush, static_argnums=0, donate_argnums=1)
+
+    t0 = time.perf_counter()
+    collect_c = collect.lower(state, carry, params).compile()
+    compile_collect = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    stacked_c = stacked.lower(carry, params).compile()
+    compile_stacked = time.perf_counter() - t0
+
+    # Warm up (first touch of every buffer), then interleave the two.
+    state, _ = collect_c(state, carry, params)
+    state, traj = flush(plan, state)
+    jax.block_until_ready((stacked_c(carry, params), traj))
+    t_collect, t_stacked, t_flush = [], [], []
+    for i in range(repeats):
+        order = ("stacked", "collect") if i % 2 == 0 else ("collect", "stacked")
+        for name in order:
+            if name == "stacked":
+                out, dt = timed(stacked_c, carry, params)
+                t_stacked.append(dt)
+                del out
+            else:
+                (state, _), dt = timed(collect_c, state, carry, params)
+                t_collect.append(dt)
+                (state, traj), dt = timed(flush, plan, state)
+                t_flush.append(dt)
+                del traj
+    jaxtraj.raise_if_error(state)
+    med = lambda xs: statistics.median(xs) * 1e3
+    return {
+        "B": B,
+        "T": T,
+        "K": K,
+        "A": A,
+        "env_steps": B * T * K,
+        "repeats": repeats,
+        "stacked_ms": med(t_stacked),
+        "collect_ms": med(t_collect),
+        "ratio": med(t_collect) / med(t_stacked),
+        "ratio_range": [min(t_collect) / max(t_stacked), max(t_collect) / min(t_stacked)],
+        "rollout_flush_ms": med(t_flush),
+        "compile_collect_s": compile_collect,
+        "compile_stacked_s": compile_stacked,
+        "steps_per_s_collect": B * T * K / statistics.median(t_collect),
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="B=32, T=16, fewer repeats")
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument(
+        "--out", default=os.path.join(os.path.dirname(__file__), "results", "rollout.json")
+    )
+    args = parser.parse_args()
+    B, T, K = (32, 16, 4) if args.quick else (256, 64, 4)
+    repeats = 10 if args.quick else args.repeats
+    # gymnax's Pendulum broadcasts its [1] action against scalars: allow it explicitly.
+    with jax.numpy_rank_promotion("allow"):
+        result = bench(B, T, K, repeats)
+    report = {"benchmark": "rollout", "machine": machine(), "result": result}
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=2)
+    r = result
+    print(f"sync runner vs collector-free rollout: B={B}, T={T}, K={K} ({r['env_steps']} steps)")
+    print(
+        f"  machine: {report['machine']['processor']}, {report['machine']['cpu_count']} "
+        f"cores, jax {report['machine']['jax']} on {report['machine']['backend']}"
+    )
+    print(f"  {'rollout, parts stacked (lax.scan)':<40} {r['stacked_ms']:9.2f} ms")
+    print(f"  {'rollout + collector inserts (sync)':<40} {r['collect_ms']:9.2f} ms")
+    print(
+        f"  ratio {r['ratio']:.3f} (target <= 1.10; range over repeats "
+        f"{r['ratio_range'][0]:.2f}-{r['ratio_range'][1]:.2f})"
+    )
+    print(f"  rollout-mode flush (not in the ratio)    {r['rollout_flush_ms']:9.2f} ms")
+    print(f"  compile: sync {r['compile_collect_s']:.2f} s, stacked {r['compile_stacked_s']:.2f} s")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,333 @@
+"""The synchronous runner: environment, policy and collector in one jitted ``lax.scan``.
+
+For JAX environments in gymnax's style (``env.reset(key, params) -> (obs, state)``,
+``env.step(key, state, action, params)``, auto-resetting), vmapped over ``B``
+environments. One call of :func:`collect` runs a whole training step of one source:
+for each of ``E`` epochs and ``T`` chunks it
+
+1. runs policy inference, ``policy_fn(params, obs, key) -> PolicyOutput`` (actions
+   ``[B, K, A]``, ``prev_logprobs``, ``prev_values [B]``);
+2. executes the ``K`` actions of the chunk in the environments (auto-reset inside the
+   chunk);
+3. runs terminal inference, ``value_fn(params, final_obs) -> [B]``: ``V`` of the
+   observation before the chunk's last reset where an episode ended in the chunk,
+   else of the current observation (on the last chunk, the bootstrap ``V(s_T)``);
+4. builds the chunk's ``PolicyPart`` and ``EnvPart`` under
+   ``TrajectoryKey(step_id, epoch, env_rank, stage_id, chunk)`` (chunk 0 carries
+   ``initial_transition``: the flags of the chunk before it) and inserts them with
+   :func:`jaxtraj.add_policy` / :func:`jaxtraj.add_env`.
+
+Everything is traced once; with :func:`make_collect` a training step of collection
+is one compiled call with the collector state donated.
+
+Terminations and truncations: gymnax >= 1.0's ``step`` returns
+``(obs, state, reward, terminated, truncated, info)`` with the pre-reset observation in
+``info["final_observation"]``; the runner uses them (a time limit is a truncation and
+bootstraps from ``V(final obs)``). An older five-tuple ``step``
+``(obs, state, reward, done, info)`` gives no truncation signal: ``done`` is then
+treated as a termination (``info["truncated"]`` / ``info["final_observation"]`` are
+used if the environment provides them).
+
+:func:`rollout_stacked` runs the same rollout but only stacks the parts with
+``lax.scan`` (no collector): the baseline that ``benchmarks/rollout.py`` compares with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax import lax
+
+from jaxtraj import joiner
+from jaxtraj.joiner import CollectorState
+from jaxtraj.plan import TrajectoryPlan
+from jaxtraj.types import (
+    EnvPart,
+    EnvTransition,
+    PolicyOutput,
+    PolicyPart,
+    TrajectoryKey,
+    TrajectorySource,
+)
+
+PolicyFn = Callable[[Any, Any, jax.Array], PolicyOutput]
+ValueFn = Callable[[Any, Any], jax.Array]
+
+
+@struct.dataclass
+class EnvCarry:
+    """What the runner carries between chunks and training steps.
+
+    Attributes:
+      env_state: the vmapped environment state, leaves ``[B, ...]``.
+      obs: the current observation, leaves ``[B, ...]``.
+      terminations, truncations: ``[B, K]`` bool, flags of the last executed chunk
+        (chunk 0's ``initial_transition``; all false after :func:`reset`).
+      rng: the runner's PRNG key.
+    """
+
+    env_state: Any
+    obs: Any
+    terminations: jax.Array
+    truncations: jax.Array
+    rng: jax.Array
+
+
+def reset(env: Any, env_params: Any, rng: jax.Array, num_envs: int, actions_per_chunk: int):
+    """Reset ``num_envs`` environments.
+
+    Returns:
+      An :class:`EnvCarry` with obs ``[B, ...]``, no flags set, and a fresh key. Leaves
+      have strong dtypes, as :func:`collect` returns them.
+    """
+    rng, sub = jax.random.split(rng)
+    obs, env_state = jax.vmap(env.reset, in_axes=(0, None))(
+        jax.random.split(sub, num_envs), env_params
+    )
+    # Strong dtypes (a reset may give weak-typed leaves that a step does not): the carry
+    # keeps one structure across calls, so a jitted collect never retraces.
+    strong = lambda x: jnp.asarray(x, dtype=jnp.result_type(x))
+    env_state, obs = jax.tree.map(strong, (env_state, obs))
+    flags = jnp.zeros((num_envs, actions_per_chunk), bool)
+    return EnvCarry(env_state, obs, flags, flags, rng)
+
+
+def _env_step(env, env_params, key, env_state, action):
+    """One gymnax step of one environment -> ``(obs, state, r, term, trunc, final_obs)``."""
+    out = env.step(key, env_state, action, env_params)
+    if len(out) == 6:
+        obs, env_state, reward, term, trunc, info = out
+    else:  # five-tuple: done is a termination unless the env says otherwise
+        obs, env_state, reward, done, info = out
+        trunc = info.get("truncated", jnp.zeros_like(done)) if isinstance(info, dict) else False
+        trunc = jnp.asarray(trunc, bool)
+        term = jnp.logical_and(done, ~trunc)
+    final = info.get("final_observation", obs) if isinstance(info, dict) else obs
+    return obs, env_state, reward, jnp.asarray(term, bool), jnp.asarray(trunc, bool), final
+
+
+def step_chunk(env: Any, env_params: Any, env_state: Any, obs: Any, actions: jax.Array, rng):
+    """Execute a chunk of actions in ``B`` auto-resetting environments.
+
+    Args:
+      actions: ``[B, K, A]``; action ``k`` of every environment is stepped with key
+        ``jax.random.split(jax.random.fold_in(rng, k), B)``.
+
+    Returns:
+      ``(env_state, obs, rewards [B, K], terminations [B, K], truncations [B, K],
+      final_obs)``: ``final_obs`` is, per environment, the observation before its last
+      reset in the chunk if an episode ended, else the new observation.
+    """
+    step = jax.vmap(lambda k, s, a: _env_step(env, env_params, k, s, a))
+    B = actions.shape[0]
+
+    def one(carry, xs):
+        env_state, obs, final = carry
+        k, a = xs
+        obs, env_state, r, term, trunc, last = step(
+            jax.random.split(jax.random.fold_in(rng, k), B), env_state, a
+        )
+        done = term | trunc
+        pick = lambda x, y: jnp.where(done.reshape(done.shape + (1,) * (x.ndim - 1)), x, y)
+        final = jax.tree.map(pick, last, final)
+        return (env_state, obs, final), (r, term, trunc)
+
+    K = actions.shape[1]
+    (env_state, obs, final), (r, term, trunc) = lax.scan(
+        one, (env_state, obs, obs), (jnp.arange(K), jnp.swapaxes(actions, 0, 1))
+    )
+    ended = jnp.any(term | trunc, axis=0)  # [B]
+    pick = lambda x, y: jnp.where(ended.reshape(ended.shape + (1,) * (x.ndim - 1)), x, y)
+    final = jax.tree.map(pick, final, obs)
+    return env_state, obs, r.T, term.T, trunc.T, final
+
+
+def _chunk(env, env_params, policy_fn, value_fn, params, carry, key: TrajectoryKey, first):
+    """One chunk: inference, execution, terminal inference -> ``(carry, policy, env)``."""
+    rng, k_pol, k_env = jax.random.split(carry.rng, 3)
+    B = carry.terminations.shape[0]
+    source = TrajectorySource(key, B, 0)
+    out = policy_fn(params, carry.obs, k_pol)
+    env_state, obs, r, term, trunc, final_obs = step_chunk(
+        env, env_params, carry.env_state, carry.obs, out.actions, k_env
+    )
+    initial = None
+    if first:  # the boundary before the first action: the previous chunk's flags
+        initial = EnvTransition(terminations=carry.terminations, truncations=carry.truncations)
+    policy_part = PolicyPart(source=source, obs=carry.obs, output=out)
+    env_part = EnvPart(
+        source=source,
+        transition=EnvTransition(rewards=r, terminations=term, truncations=trunc),
+        initial_transition=initial,
+        final_values=value_fn(params, final_obs),
+    )
+    return EnvCarry(env_state, obs, term, trunc, rng), policy_part, env_part
+
+
+def _key(step_id, epoch, env_rank, stage_id, chunk) -> TrajectoryKey:
+    i32 = lambda v: jnp.asarray(v, jnp.int32)
+    return TrajectoryKey(i32(step_id), i32(epoch), i32(env_rank), i32(stage_id), i32(chunk))
+
+
+def _step_id(state: CollectorState, env_rank, stage_id) -> jax.Array:
+    if not state.stacked:
+        return state.step
+    match = (state.sources[:, 0] == env_rank) & (state.sources[:, 1] == stage_id)
+    return state.step[jnp.argmax(match)]
+
+
+def collect(
+    plan: TrajectoryPlan,
+    env: Any,
+    env_params: Any,
+    policy_fn: PolicyFn,
+    value_fn: ValueFn,
+    state: CollectorState,
+    carry: EnvCarry,
+    params: Any,
+    *,
+    env_rank: Any = 0,
+    stage_id: Any = 0,
+) -> tuple[CollectorState, EnvCarry]:
+    """Collect one training step (``E`` epochs of ``T`` chunks) of one source.
+
+    Pure and traceable: jit it (or use :func:`make_collect`) with ``state`` donated.
+
+    Args:
+      plan: the static plan (``num_epochs`` ``E``, ``num_chunks`` ``T``,
+        ``batch_size`` ``B``).
+      env, env_params: a gymnax-style environment and its parameters (static /
+        traced respectively).
+      policy_fn: ``(params, obs [B, ...], key) -> PolicyOutput`` with ``actions
+        [B, K, A]``, ``prev_logprobs`` and ``prev_values [B]``.
+      value_fn: ``(params, obs [B, ...]) -> [B]``, terminal inference.
+      state: the collector state (single-source or stacked); the key's ``step_id``
+        is the source's current step in it.
+      carry: the :class:`EnvCarry` after :func:`reset` or the previous call.
+      params: policy/value parameters passed to ``policy_fn`` and ``value_fn``.
+      env_rank, stage_id: the source this rollout feeds.
+
+    Returns:
+      ``(state, carry)``: the state with every chunk of the step inserted (check
+      ``state.error_code`` outside ``jit``) and the carry after the last chunk.
+    """
+    step_id = _step_id(state, env_rank, stage_id)
+    run = lambda c, k, first: _chunk(env, env_params, policy_fn, value_fn, params, c, k, first)
+
+    def insert(st, policy_part, env_part):
+        st = joiner.add_policy(plan, st, policy_part)
+        return joiner.add_env(plan, st, env_part)
+
+    def epoch(inner, e):
+        st, c = inner
+        c, p, v = run(c, _key(step_id, e, env_rank, stage_id, 0), True)
+        st = insert(st, p, v)
+
+        def chunk(inner, t):
+            st, c = inner
+            c, p, v = run(c, _key(step_id, e, env_rank, stage_id, t), False)
+            return (insert(st, p, v), c), None
+
+        return lax.scan(chunk, (st, c), jnp.arange(1, plan.num_chunks))[0], None
+
+    return lax.scan(epoch, (state, carry), jnp.arange(plan.num_epochs))[0]
+
+
+def rollout_stacked(
+    plan: TrajectoryPlan,
+    env: Any,
+    env_params: Any,
+    policy_fn: PolicyFn,
+    value_fn: ValueFn,
+    carry: EnvCarry,
+    params: Any,
+    *,
+    step_id: Any = 0,
+    env_rank: Any = 0,
+    stage_id: Any = 0,
+) -> tuple[tuple[PolicyPart, EnvPart], tuple[PolicyPart, EnvPart], EnvCarry]:
+    """The same rollout as :func:`collect` with the parts only stacked, no collector.
+
+    Returns:
+      ``(first, rest, carry)``: chunk 0's ``(PolicyPart, EnvPart)`` with leaves
+      ``[E, B, ...]``, chunks ``1..T-1`` with leaves ``[E, T-1, B, ...]``, and the carry.
+      Same keys, same random numbers, same data as :func:`collect` inserts.
+    """
+    run = lambda c, k, first: _chunk(env, env_params, policy_fn, value_fn, params, c, k, first)
+
+    def epoch(c, e):
+        c, p0, v0 = run(c, _key(step_id, e, env_rank, stage_id, 0), True)
+
+        def chunk(c, t):
+            c, p, v = run(c, _key(step_id, e, env_rank, stage_id, t), False)
+            return c, (p, v)
+
+        c, rest = lax.scan(chunk, c, jnp.arange(1, plan.num_chunks))
+        return c, ((p0, v0), rest)
+
+    carry, (first, rest) = lax.scan(epoch, carry, jnp.arange(plan.num_epochs))
+    return first, rest, carry
+
+
+def example_parts(
+    env: Any,
+    env_params: Any,
+    policy_fn: PolicyFn,
+    value_fn: ValueFn,
+    params: Any,
+    num_envs: int,
+    actions_per_chunk: int,
+) -> tuple[PolicyPart, EnvPart]:
+    """Zero-filled example halves (chunk 0's env half) for :func:`jaxtraj.init`.
+
+    Shapes and dtypes come from ``jax.eval_shape`` of one chunk; nothing runs.
+    """
+
+    def one():
+        carry = reset(env, env_params, jax.random.PRNGKey(0), num_envs, actions_per_chunk)
+        _, p, v = _chunk(
+            env, env_params, policy_fn, value_fn, params, carry, _key(0, 0, 0, 0, 0), True
+        )
+        return p, v
+
+    shapes = jax.eval_shape(one)
+    # numpy zeros: host examples, as jaxtraj.init expects them.
+    return jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)
+
+
+def make_collect(
+    plan: TrajectoryPlan,
+    env: Any,
+    env_params: Any,
+    policy_fn: PolicyFn,
+    value_fn: ValueFn,
+    *,
+    env_rank: int = 0,
+    stage_id: int = 0,
+):
+    """``jax.jit`` of :func:`collect` bound to its static arguments, state donated.
+
+    Returns:
+      ``fn(state, carry, params) -> (state, carry)``: one compiled call per training step.
+    """
+
+    def fn(state, carry, params):
+        return collect(
+            plan,
+            env,
+            env_params,
+            policy_fn,
+            value_fn,
+            state,
+            carry,
+            params,
+            env_rank=env_rank,
+            stage_id=stage_id,
+        )
+
+    return jax.jit(fn, donate_argnums=0)
