@@ -141,6 +141,9 @@ def main():
     parser.add_argument(
         "--out", default=os.path.join(os.path.dirname(__file__), "results", "rollout.json")
     )
+    parser.add_argument(
+        "--async-halves", type=int, default=None, help="asynchronous runner: halves (0: skip)"
+    )
     args = parser.parse_args()
     B, T, K = (32, 16, 4) if args.quick else (256, 64, 4)
     repeats = 10 if args.quick else args.repeats
@@ -148,6 +151,14 @@ def main():
     with jax.numpy_rank_promotion("allow"):
         result = bench(B, T, K, repeats)
     report = {"benchmark": "rollout", "machine": machine(), "result": result}
+    halves = (
+        args.async_halves if args.async_halves is not None else (10_000 if args.quick else 100_000)
+    )
+    if halves:  # the asynchronous runner's throughput, in the same run (rollout_async.py)
+        import rollout_async
+
+        rollout_async.run(2 * 4 * rollout_async.E * rollout_async.T, 4, 0.0, 64)  # warm-up
+        report["async"] = rollout_async.run(halves, 4, 200e-6, 64)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
@@ -165,6 +176,13 @@ def main():
     )
     print(f"  rollout-mode flush (not in the ratio)    {r['rollout_flush_ms']:9.2f} ms")
     print(f"  compile: sync {r['compile_collect_s']:.2f} s, stacked {r['compile_stacked_s']:.2f} s")
+    if "async" in report:
+        a = report["async"]
+        print(
+            f"async runner: {a['halves']} halves with random delays, {a['halves_per_s']:.0f} "
+            f"halves/s, lost {a['lost']}, max queues {a['max_queue_sizes']}, peak RSS "
+            f"{a['peak_rss_mib_after']:.0f} MiB"
+        )
     print(f"wrote {args.out}")
 
 
