@@ -51,3 +51,8 @@ def test_async_and_decoupled_runner_examples_collect_two_steps():
     for flags in ([], ["--decoupled"]):  # decoupled: next step's halves arrive early, are held
         out = run("async_runner.py", "--steps", "2", *flags)
         assert out.count("  step ") == 4, out
+
+
+def test_sync_runner_example():
+    out = run("sync_runner.py")
+    assert out.count("step ") == 3 and "truncations 32" in out  # Pendulum's time limit, in step 2
