@@ -20,7 +20,7 @@ import jaxtraj
 from jaxtraj import PolicyOutput
 from jaxtraj.runners import sync
 
-B, T, K = 32, 25, 4  # 100 actions a step: the 200-step time limit falls in step 2
+B, T, K = 32, 25, 4  # 100 actions a step: the 200-step time limit ends step 1
 env, env_params = gymnax.make("Pendulum-v1")
 
 

@@ -55,4 +55,4 @@ def test_async_and_decoupled_runner_examples_collect_two_steps():
 
 def test_sync_runner_example():
     out = run("sync_runner.py")
-    assert out.count("step ") == 3 and "truncations 32" in out  # Pendulum's time limit, in step 2
+    assert out.count("step ") == 3 and "truncations 32" in out  # the time limit ends step 1 (and is step 2's d_before)
