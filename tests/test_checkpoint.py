@@ -14,10 +14,7 @@ import pytest
 from helpers import PLAN, B, T, all_parts, env_part, policy_part
 
 import jaxtraj
-from jaxtraj import CollectorError, ErrorCode
-
-pytest.importorskip("orbax.checkpoint")
-from jaxtraj import checkpoint  # noqa: E402
+from jaxtraj import CollectorError, ErrorCode, checkpoint
 
 
 def first_of_step():

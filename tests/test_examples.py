@@ -7,8 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 EXAMPLES = Path(__file__).parent.parent / "examples"
 
 
@@ -27,7 +25,8 @@ def test_collect_rollout_prints_what_the_actor_receives():
 
 
 def test_export_lerobot_writes_episodes_across_steps(tmp_path):
-    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow.parquet as pq
+
     root = tmp_path / "dataset"
     out = run(
         "export_lerobot.py", "--root", str(root), "--steps", "3", "--envs", "4", "--chunks", "8"
@@ -55,4 +54,6 @@ def test_async_and_decoupled_runner_examples_collect_two_steps():
 
 def test_sync_runner_example():
     out = run("sync_runner.py")
-    assert out.count("step ") == 3 and "truncations 32" in out  # the time limit ends step 1 (and is step 2's d_before)
+    assert (
+        out.count("step ") == 3 and "truncations 32" in out
+    )  # the time limit ends step 1 (and is step 2's d_before)

@@ -7,10 +7,8 @@ from pathlib import Path
 
 import jax
 import numpy as np
-import pytest
 
-pytest.importorskip("gymnax")
-pytest.importorskip("tqdm")
+# gymnax, tqdm and matplotlib are test dependencies: a missing one fails, never skips.
 sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
 
 import ppo  # noqa: E402

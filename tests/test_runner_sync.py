@@ -218,7 +218,8 @@ def test_stacked_state_and_rollout_stacked_agree():
 
 
 def test_gymnax_pendulum_truncates_with_bootstrap():
-    gymnax = pytest.importorskip("gymnax")
+    import gymnax  # a test dependency: missing, this fails rather than skips
+
     env, env_params = gymnax.make("Pendulum-v1")
     env_params = env_params.replace(max_steps_in_episode=6)  # episodes end mid-chunk
     k = 4
