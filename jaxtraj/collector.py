@@ -386,11 +386,12 @@ class TrajectoryCollector:
             missing keys.
         """
         now = time.monotonic() if now is None else now
-        waiting = {(k[2], k[3]) for k, _, _ in self.missing()}
+        missing = self.missing()
+        waiting = {(k[2], k[3]) for k, _, _ in missing}
         for s in np.argsort(self._last_seen, kind="stable"):  # the longest silent first
             r, st = (int(v) for v in self._sources[s])
             if (r, st) in waiting and now - self._last_seen[s] > timeout_s:
-                keys = [k for k, half, _ in self.missing() if (k[2], k[3]) == (r, st)]
+                keys = [k for k, _, _ in missing if (k[2], k[3]) == (r, st)]
                 shown = ", ".join(str(k) for k in keys[:8]) + (" ..." if len(keys) > 8 else "")
                 raise CollectorError(
                     (int(self._step[s]), -1, r, st, -1),

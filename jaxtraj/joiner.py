@@ -82,10 +82,6 @@ class CollectorState:
         """Whether every leaf has a leading source axis."""
         return self.sources.ndim == 2
 
-    @property
-    def num_sources(self) -> int:
-        return self.sources.shape[0] if self.stacked else 1
-
 
 def _alloc(example: PyTree, lead: tuple[int, ...]) -> PyTree:
     def zeros(x):

@@ -24,6 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jaxtraj.errors import CollectorError, ErrorCode
+
 Array = Any
 PyTree = Any
 
@@ -33,8 +35,6 @@ RLT_KEYS = ("z_rl", "proprio", "ref_chunk")
 def rlt_features(forward_inputs: Any, key: Any = None) -> dict:
     """RLT's compact state features of a policy's forward inputs: ``z_rl``, ``proprio``
     and ``ref_chunk``, nothing else. Raises ``CollectorError`` naming what is missing."""
-    from jaxtraj.errors import CollectorError, ErrorCode
-
     missing = [
         k for k in RLT_KEYS if not isinstance(forward_inputs, dict) or k not in forward_inputs
     ]

@@ -123,3 +123,28 @@ def test_overflow_is_an_error_or_a_truncation():
         assert len(frames["action"]) <= 3
         assert frames["next.done"][-1, 0]
     assert any(f["next.truncated"][-1, 0] for _, f in items[0][1])
+
+
+def test_interventions_travel_with_their_frames():
+    from test_interventions import collect as collect_intervened
+
+    def flags_of(e, t):
+        f = np.zeros((B, K), bool)
+        if (e, t) == (0, 1):
+            f[2, 1] = True  # env 2, the second action of chunk 1
+        return f
+
+    traj = collect_intervened(flags_of)
+    frames, _ = jaxtraj.types.trajectory_frames(traj, per_action=True, actions_per_chunk=K)
+    flags = np.asarray(frames["intervention"])[..., 0]  # [n, B], n = E*T*K, time-ordered
+    expect = np.zeros_like(flags)
+    expect[(0 * T + 1) * K + 1, 2] = True
+    np.testing.assert_array_equal(flags, expect)
+    np.testing.assert_array_equal(
+        frames["action"][(0 * T + 1) * K + 1, 2], 99.0
+    )  # the human action
+    per_chunk, _ = jaxtraj.types.trajectory_frames(traj, per_action=False, actions_per_chunk=K)
+    assert (
+        np.asarray(per_chunk["intervention"])[0 * T + 1, 2, 0]
+        and int(np.asarray(per_chunk["intervention"]).sum()) == 1
+    )

@@ -43,7 +43,7 @@ import numpy as np
 from flax import struct
 from jax import lax
 
-from jaxtraj import joiner
+from jaxtraj import joiner, slots
 from jaxtraj.joiner import CollectorState
 from jaxtraj.plan import TrajectoryPlan
 from jaxtraj.types import (
@@ -177,8 +177,7 @@ def _key(step_id, epoch, env_rank, stage_id, chunk) -> TrajectoryKey:
 def _step_id(state: CollectorState, env_rank, stage_id) -> jax.Array:
     if not state.stacked:
         return state.step
-    match = (state.sources[:, 0] == env_rank) & (state.sources[:, 1] == stage_id)
-    return state.step[jnp.argmax(match)]
+    return state.step[slots.locate(jnp, state.sources, env_rank, stage_id)[1]]
 
 
 def collect(
