@@ -25,6 +25,16 @@ several calls after a warm-up, each ended by ``block_until_ready``; the calls ru
 blocks per implementation, and the blocks of all implementations alternate over several
 passes, so that drift in the machine's speed hits all alike.
 
+Each implementation is timed warm and cold. Warm: the same inputs, call after call, so
+inputs, outputs and the dispatch path sit in cache. Cold, as a training loop sees GAE
+between a rollout and an update: before every timed call a flush writes a buffer of
+``--flush-mb`` MiB (default 64, twice this machine's 32 MiB L3) with NumPy on the host and,
+on an accelerator, with a jitted kernel on the device, which evicts the inputs, the last
+outputs and the runtime's own data from the caches; and the call takes the next of
+``--cold-sets`` separate copies of the inputs (distinct buffers, same values), so it never
+reads the buffers the previous call read. The flush is not timed. ``--modes warm`` or
+``--modes cold`` measures one only.
+
 Fresh memory is not free: a JAX function allocates its outputs anew on every call, and
 the first touch of each fresh 4 KiB page is a page fault (the ``faults`` column: minor
 faults during one call). At ``[512, 16384]`` the 64 MB of outputs are about 16k faults,
@@ -37,11 +47,12 @@ that thread adds tens of microseconds of noise to every call. The benchmark ther
 disables CPU async dispatch (``jax_cpu_enable_async_dispatch``) for all JAX rows alike;
 ``--async-dispatch`` keeps the default.
 
-    python benchmarks/gae.py [--quick] [--min-time 1.0]
+    python benchmarks/gae.py [--quick] [--sizes 64x256,2048x64] [--modes warm,cold]
+                             [--peers jaxtraj,rlax] [--min-time 1.0]
 
 Writes ``benchmarks/results/gae.json`` (``gae_quick.json`` with ``--quick``) and prints a
-table: time in ms and the ratios to both copies and to the fastest peer (jaxtraj rows and
-copies excluded from "peer").
+table: warm and cold time in ms and the ratios to both copies and to the fastest peer
+(jaxtraj rows and copies excluded from "peer"), warm and cold apart.
 """
 
 from __future__ import annotations
@@ -65,7 +76,7 @@ from jax import lax
 
 from jaxtraj import advantages
 
-SIZES = [(64, 256), (256, 4096), (512, 16384), (2048, 64)]
+SIZES = [(64, 4), (64, 256), (128, 256), (256, 4096), (512, 16384), (2048, 2), (2048, 64)]
 QUICK_SIZES = [(16, 32), (64, 256), (128, 1024)]
 GAMMA, LAM = 0.99, 0.95
 JAXTRAJ = ["jaxtraj auto"] + [f"jaxtraj {m}" for m in advantages.METHODS]
@@ -258,15 +269,48 @@ PEERS: dict[str, Callable[..., Any]] = {
 # ----------------------------------------------------------------------------- measuring
 
 
-def measure_size(T: int, B: int, args) -> list[dict]:
+class Flush:
+    """Evicts caches between cold calls: writes ``mb`` MiB on the host and on the device."""
+
+    def __init__(self, mb: float):
+        n = max(1, int(mb * 2**20) // 8)
+        self.host = np.zeros(n, np.float64)
+        self.device = None
+        if jax.default_backend() != "cpu":
+            self.bump = jax.jit(lambda b: b + 1.0, donate_argnums=0)
+            self.device = jnp.zeros(2 * n, jnp.float32)
+
+    def __call__(self) -> None:
+        np.add(self.host, 1.0, out=self.host)
+        if self.device is not None:
+            self.device = jax.block_until_ready(self.bump(self.device))
+
+
+def _stats(samples: list[float], prefix: str) -> dict:
+    return {
+        f"{prefix}_ms": 1e3 * statistics.median(samples),
+        f"{prefix}_ms_min": 1e3 * min(samples),
+        f"{prefix}_ms_p25": 1e3 * float(np.percentile(samples, 25)),
+        f"{prefix}_ms_p75": 1e3 * float(np.percentile(samples, 75)),
+    }
+
+
+def measure_size(T: int, B: int, args, peers: dict[str, Callable[..., Any]]) -> list[dict]:
     rewards, values, dones = make_data(T, B, args.seed, args.done_prob)
     ref_adv, ref_ret = numpy_loop(rewards, values, dones)
+    warm, cold = "warm" in args.modes, "cold" in args.modes
+    flush = Flush(args.flush_mb) if cold else None
     rows, runs = [], {}
-    for name, factory in PEERS.items():
+    for name, factory in peers.items():
         row = {"peer": name, "T": T, "B": B, "status": "ok"}
         rows.append(row)
         try:
             run, to_numpy, compile_args = factory(rewards, values, dones)
+            # Cold calls rotate over separate copies of the inputs (the first is ``run``).
+            cold_runs = [run] + [
+                factory(*(np.array(x) for x in (rewards, values, dones)))[0]
+                for _ in range(args.cold_sets - 1 if cold else 0)
+            ]
         except Missing as e:
             row.update(status="missing", reason=str(e))
             continue
@@ -281,45 +325,56 @@ def measure_size(T: int, B: int, args) -> list[dict]:
             np.testing.assert_allclose(adv, ref_adv, rtol=1e-4, atol=1e-4, err_msg=name)
             np.testing.assert_allclose(ret, ref_ret, rtol=1e-4, atol=1e-4, err_msg=name)
         del out
+        for r in cold_runs[1:]:
+            r()
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t0 = time.perf_counter()
         run()
         first = time.perf_counter() - t0
         row["page_faults"] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
         n = int(min(args.max_reps, max(args.min_reps, args.min_time / max(first, 1e-6))))
-        runs[name] = (run, n, [first])
-    # Interleaved passes: in each, every implementation runs a block of consecutive calls
-    # (its first call after a switch is dropped: it pays for the caches the previous
-    # implementation left behind), so drift in the machine's speed hits all alike.
+        n_cold = min(n, args.max_cold_reps)
+        runs[name] = (run, cold_runs, n if warm else 0, n_cold if cold else 0, [first], [])
+    # Interleaved passes: in each, every implementation runs a block of consecutive warm
+    # calls (its first call after a switch is dropped: it pays for the caches the previous
+    # implementation left behind), then a block of cold calls, each after a flush, so that
+    # drift in the machine's speed hits all alike.
+    k = 0
     for _ in range(args.passes):
-        for run, n, samples in runs.values():
-            run()
+        for run, cold_runs, n, n_cold, samples, cold_samples in runs.values():
+            if n:
+                run()
             for _ in range(-(-n // args.passes)):
                 t0 = time.perf_counter()
                 run()
                 samples.append(time.perf_counter() - t0)
+            for _ in range(-(-n_cold // args.passes)):
+                k += 1
+                r = cold_runs[k % len(cold_runs)]
+                flush()
+                t0 = time.perf_counter()
+                r()
+                cold_samples.append(time.perf_counter() - t0)
     for row in rows:
         if row["peer"] in runs:
-            samples = runs[row["peer"]][2]
-            row.update(
-                run_ms=1e3 * statistics.median(samples),
-                run_ms_min=1e3 * min(samples),
-                run_ms_p25=1e3 * float(np.percentile(samples, 25)),
-                run_ms_p75=1e3 * float(np.percentile(samples, 75)),
-                reps=len(samples),
-            )
-    ok = {r["peer"]: r["run_ms"] for r in rows if r["status"] == "ok"}
-    peers = {k: t for k, t in ok.items() if k not in JAXTRAJ and k not in COPIES}
-    best = min(peers, key=peers.get) if peers else None
-    for row in rows:
-        if row["status"] != "ok":
-            continue
-        for key, ref in (("vs_copy_numpy", "copy (numpy)"), ("vs_copy_jax", "copy (jax)")):
-            if ref in ok:
-                row[key] = row["run_ms"] / ok[ref]
-        if best is not None:
-            row["vs_best_peer"] = row["run_ms"] / peers[best]
-            row["best_peer"] = best
+            *_, n, n_cold, samples, cold_samples = runs[row["peer"]]
+            if n:
+                row.update(_stats(samples, "run"), reps=len(samples))
+            if n_cold:
+                row.update(_stats(cold_samples, "cold"), cold_reps=len(cold_samples))
+    for key, suffix in (("run_ms", ""), ("cold_ms", "_cold")):
+        ok = {r["peer"]: r[key] for r in rows if key in r}
+        others = {k: t for k, t in ok.items() if k not in JAXTRAJ and k not in COPIES}
+        best = min(others, key=others.get) if others else None
+        for row in rows:
+            if key not in row:
+                continue
+            for ratio, ref in (("vs_copy_numpy", "copy (numpy)"), ("vs_copy_jax", "copy (jax)")):
+                if ref in ok:
+                    row[ratio + suffix] = row[key] / ok[ref]
+            if best is not None:
+                row["vs_best_peer" + suffix] = row[key] / others[best]
+                row["best_peer" + suffix] = best
     return rows
 
 
@@ -366,12 +421,13 @@ def machine_info(args) -> dict:
 
 def print_table(rows: list[dict]) -> None:
     head = (
-        f"{'implementation':<22} {'compile ms':>10} {'run ms':>9} {'/copy np':>9} "
-        f"{'/copy jax':>9} {'/best peer':>10} {'faults':>7}"
+        f"{'implementation':<22} {'compile ms':>10} {'warm ms':>9} {'/copy np':>8} "
+        f"{'/copy jax':>9} {'/best':>6} {'cold ms':>9} {'/best':>6} {'faults':>7}"
     )
     T, B = rows[0]["T"], rows[0]["B"]
-    best = next((r.get("best_peer") for r in rows if r.get("best_peer")), None)
-    print(f"\n[T, B] = [{T}, {B}]   (best peer: {best})")
+    best = next((r["best_peer"] for r in rows if "best_peer" in r), None)
+    best_cold = next((r["best_peer_cold"] for r in rows if "best_peer_cold" in r), None)
+    print(f"\n[T, B] = [{T}, {B}]   (best peer warm: {best}; cold: {best_cold})")
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -383,15 +439,24 @@ def print_table(rows: list[dict]) -> None:
         )
         print(
             f"{r['peer']:<22} {f('compile_ms', '10.1f')} {f('run_ms', '9.3f')} "
-            f"{f('vs_copy_numpy', '9.2f')} {f('vs_copy_jax', '9.2f')} {f('vs_best_peer', '10.2f')} "
-            f"{f('page_faults', '7d')}"
+            f"{f('vs_copy_numpy', '8.2f')} {f('vs_copy_jax', '9.2f')} {f('vs_best_peer', '6.2f')} "
+            f"{f('cold_ms', '9.3f')} {f('vs_best_peer_cold', '6.2f')} {f('page_faults', '7d')}"
         )
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="small sizes, a smoke test")
-    p.add_argument("--sizes", help="override sizes, e.g. 64x256,2048x64")
+    p.add_argument("--sizes", help="override sizes as TxB, e.g. 64x256,2048x65536")
+    p.add_argument("--modes", default="warm,cold", help="warm, cold or both (comma-separated)")
+    p.add_argument(
+        "--peers",
+        help="only implementations whose name contains one of these (comma-separated), "
+        "e.g. jaxtraj,rlax,lax.scan,copy; default all",
+    )
+    p.add_argument("--flush-mb", type=float, default=64.0, help="cache flush before cold calls")
+    p.add_argument("--cold-sets", type=int, default=4, help="input copies cold calls rotate over")
+    p.add_argument("--max-cold-reps", type=int, default=100)
     p.add_argument("--min-time", type=float, default=1.0, help="seconds of runs per entry")
     p.add_argument("--min-reps", type=int, default=7)
     p.add_argument("--max-reps", type=int, default=400)
@@ -408,6 +473,17 @@ def main() -> None:
         sizes = QUICK_SIZES if args.quick else SIZES
     if args.quick:
         args.min_time = min(args.min_time, 0.1)
+    args.modes = {m.strip() for m in args.modes.split(",")}
+    if not args.modes or not args.modes <= {"warm", "cold"}:
+        p.error(f"--modes must name warm and/or cold, got {sorted(args.modes)}")
+    if args.cold_sets < 1:
+        p.error(f"--cold-sets must be at least 1, got {args.cold_sets}")
+    peers = PEERS
+    if args.peers:
+        keys = [k.strip() for k in args.peers.split(",") if k.strip()]
+        peers = {n: f for n, f in PEERS.items() if any(k in n for k in keys)}
+        if not peers:
+            p.error(f"--peers {args.peers!r} matches none of {list(PEERS)}")
     info = machine_info(args)
     print(
         f"{info['cpu']} x{info['cpu_count']}, {info['platform']}, jax {info['versions']['jax']} "
@@ -415,7 +491,7 @@ def main() -> None:
     )
     results = []
     for T, B in sizes:
-        rows = measure_size(T, B, args)
+        rows = measure_size(T, B, args, peers)
         print_table(rows)
         results.extend(rows)
     out = args.out or os.path.join(
@@ -436,6 +512,11 @@ def main() -> None:
             "min_reps": args.min_reps,
             "max_reps": args.max_reps,
             "passes": args.passes,
+            "modes": sorted(args.modes),
+            "flush_mb": args.flush_mb,
+            "cold_sets": args.cold_sets,
+            "max_cold_reps": args.max_cold_reps,
+            "peers": list(peers),
             "statistic": "median",
             "sizes": [list(s) for s in sizes],
         },
