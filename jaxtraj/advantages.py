@@ -40,33 +40,29 @@ Formulations (``method=``), all equal to a NumPy loop up to float32 round-off:
     pairs ``(c, b) . (c', b') = (c c', b + c b')``: depth ``log2 T`` instead of ``T``, at
     the cost of ``O(log T)`` passes over memory and ``O(T log T)`` work.
 
-``method="auto"`` is resolved at trace time from ``jax.default_backend()`` and the width
-(the number of trajectories, the product of the batch shape):
+``method="auto"`` is resolved at trace time (``resolve_method``) from the backend and the
+width ``N`` (the number of trajectories, the product of the batch shape):
 
-* CPU: ``"inplace"``. Measured with ``benchmarks/gae.py`` (2-core x86 VM, jax 0.10.2,
-  float32, 5% dones) at ``[T, B]`` = ``[64, 256]``, ``[256, 4096]``, ``[512, 16384]`` and
-  ``[2048, 64]``, in five runs, it took 0.77-0.85, 0.64-0.69, 0.70-0.88 and 0.72-0.80 of
-  the time of the fastest peer (rlax under ``vmap``, a Brax-style ``lax.scan``, or the
-  NumPy loop); ``"scan"`` took 1.15-1.35x and ``"associative"`` 3-7x the time of
-  ``"inplace"``. At ``[512, 16384]`` it ran in 1.0-1.2x the time of a jitted copy of its
-  inputs and 2.1-3.4x that of a NumPy copy into preallocated arrays; a third to a half of
-  its time there is the first touch of 64 MB of fresh output pages, which every JAX
-  function returning them pays.
-  Why it wins: XLA:CPU runs a loop body as a chain of small single-threaded kernels, so a
-  scan costs the bytes each step moves, while whole-array element-wise passes outside the
-  loop run on all cores. Moving ``delta`` and the returns out of the loop and updating one
-  buffer in place leaves the loop the least traffic. What lost, and why: ``unroll=`` and
-  blocked scans that emit several rows per step (XLA fuses the unrolled chain into every
-  output row, so the work grows quadratically with the block; PureJaxRL's ``unroll=16``
-  is 2-7x slower than no unrolling here); two-level chunked scans (extra passes over
-  memory, and strided row updates defeat XLA's in-place buffers); ``"associative"``
-  (``log T`` passes over memory). A matrix form for short ``T`` was not pursued: dones
-  make the matrix batch-dependent. With fewer than 16 trajectories a row is a few floats, the loop's
-  fixed cost per step dominates, and ``"scan"`` is as fast or slightly faster, so
-  ``auto`` picks it there.
-* GPU and TPU: ``"associative"``. Not measured: on accelerators every sequential step
-  costs a kernel launch or a loop trip, which the ``log2 T``-deep associative scan avoids;
-  pass ``method="scan"`` or ``"inplace"`` to compare.
+* CPU, ``N >= 8``: ``"inplace"``. XLA:CPU runs a loop body as a chain of small
+  single-threaded kernels, so a sequential sweep costs the bytes each step moves, while
+  whole-array element-wise passes outside the loop run on all cores. Moving ``delta`` and
+  the returns out of the loop and updating one buffer in place leaves the loop the least
+  traffic. ``benchmarks/gae.py`` times it warm (inputs in cache) and cold (caches flushed
+  and inputs not the last call's, as between a rollout and an update); results are in
+  ``benchmarks/results/gae.json``.
+* CPU, ``N < 8``: ``"scan"``. A row is a few floats, so every step is fixed cost; over
+  long ``T`` the in-place loop's separate row reads cost more than the scan's one
+  slice per input, and below 8 trajectories the scan is as fast or faster, warm and cold.
+* GPU and TPU: ``"associative"``: every sequential step costs a kernel launch or a loop
+  trip, which the ``log2 T``-deep associative scan avoids. ``benchmarks/gpu.sh`` times all
+  three; pass ``method=`` to choose one.
+
+What lost on CPU, and why: ``unroll=`` and blocked scans that emit several rows per step
+(XLA fuses the unrolled chain into every output row, so the work grows quadratically with
+the block; PureJaxRL's ``unroll=16``); two-level chunked scans (extra passes over memory,
+and strided row updates defeat XLA's in-place buffers); ``"associative"`` (``log T`` passes
+over memory). A matrix form for short ``T`` was not pursued: dones make the matrix
+batch-dependent.
 
 References:
   Schulman et al., "High-Dimensional Continuous Control Using Generalized Advantage
@@ -100,7 +96,7 @@ __all__ = [
 Method = Literal["auto", "inplace", "scan", "associative"]
 METHODS: tuple[str, ...] = ("inplace", "scan", "associative")
 # Below this many trajectories per time row, auto prefers "scan" on CPU (see module docs).
-_CPU_SCAN_MAX_WIDTH = 16
+_CPU_SCAN_BELOW_WIDTH = 8
 
 
 # ----------------------------------------------------------------------------- checks
@@ -153,20 +149,34 @@ def _check_time_major(fn: str, rewards: Any, **others: tuple[Any, int]) -> int:
     return T
 
 
-def resolve_method(method: str, num_steps: int, width: int) -> str:
-    """The formulation ``method`` stands for on the current default backend.
+def resolve_method(
+    method: str, num_steps: int, width: int, *, backend: str | None = None
+) -> str:
+    """The formulation ``method`` stands for, a pure function of static sizes and backend.
+
+    ::
+
+        auto -> "scan"         on CPU with width < 8
+                "inplace"      on CPU with width >= 8
+                "associative"  on any other backend
 
     Args:
       method: ``"auto"`` or one of ``METHODS``.
-      num_steps: ``T``, the length of the recurrence.
+      num_steps: ``T``, the length of the recurrence (the rule does not depend on it now).
       width: the number of independent trajectories (the product of the batch shape).
+      backend: ``"cpu"``, ``"gpu"``, ``"tpu"``...; default ``jax.default_backend()``.
 
     Returns:
       A member of ``METHODS``. Resolution is static: it happens at trace time.
+
+    Example::
+
+        resolve_method("auto", 64, 256, backend="cpu")  # "inplace"
     """
+    del num_steps
     if method == "auto":
-        if jax.default_backend() == "cpu":
-            return "scan" if width < _CPU_SCAN_MAX_WIDTH else "inplace"
+        if (backend or jax.default_backend()) == "cpu":
+            return "scan" if width < _CPU_SCAN_BELOW_WIDTH else "inplace"
         return "associative"
     if method not in METHODS:
         raise ValueError(f"`method` must be 'auto' or one of {METHODS}, got {method!r}")
@@ -272,8 +282,8 @@ def gae(
         the first action and is not read, ``dones[t+1]`` ends the episode after action t.
       gamma: discount, a scalar in [0, 1].
       lam: GAE lambda, a scalar in [0, 1].
-      method: ``"auto"`` (by backend, see the module docstring), ``"inplace"``, ``"scan"``
-        or ``"associative"``; static.
+      method: ``"auto"`` (by backend and width, see ``resolve_method``), ``"inplace"``,
+        ``"scan"`` or ``"associative"``; static.
 
     Returns:
       ``(advantages, returns)``, each ``[T, ...]``, in the inputs' floating dtype (at least

@@ -204,11 +204,41 @@ def test_jit_does_not_retrace(data):
     np.testing.assert_allclose(out2[0], gae_loop(r + 1.0, v, ~d, 0.5, LAM)[0], **TOL)
 
 
-def test_auto_resolution():
+@pytest.mark.parametrize(
+    "backend, T, width, expected",
+    [
+        ("cpu", 2048, 1, "scan"),
+        ("cpu", 64, 7, "scan"),
+        ("cpu", 64, 8, "inplace"),
+        ("cpu", 2048, 64, "inplace"),
+        ("cpu", 512, 16384, "inplace"),
+        ("gpu", 64, 1, "associative"),
+        ("gpu", 2048, 65536, "associative"),
+        ("tpu", 64, 256, "associative"),
+    ],
+)
+def test_auto_resolution_rule(backend, T, width, expected):
+    assert adv_lib.resolve_method("auto", T, width, backend=backend) == expected
+    for method in adv_lib.METHODS:  # an explicit method is never overridden
+        assert adv_lib.resolve_method(method, T, width, backend=backend) == method
+
+
+def test_auto_resolution_default_backend_and_trace():
     assert jax.default_backend() == "cpu"
     assert adv_lib.resolve_method("auto", 100, 64) == "inplace"
     assert adv_lib.resolve_method("auto", 100, 1) == "scan"
-    assert adv_lib.resolve_method("associative", 100, 1) == "associative"
+    with pytest.raises(ValueError, match="method"):
+        adv_lib.resolve_method("fast", 100, 1)
+
+    def sweep_length(batch):  # the loop ``gae`` traces to under auto, by batch shape
+        r, v, d = (jnp.zeros((n,) + batch, dt) for n, dt in ((8, float), (9, float), (9, bool)))
+        jaxpr = jax.make_jaxpr(lambda r, v, d: gae(r, v, d, gamma=0.9, lam=0.9))(r, v, d)
+        (loop,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
+        return loop.params["length"]
+
+    # "scan" sweeps all T = 8 rows; "inplace" (a fori_loop, itself a scan) the T - 1 updates.
+    assert sweep_length((7,)) == 8
+    assert sweep_length((2, 4)) == 7  # width 8
 
 
 # ----------------------------------------------------------------------------- other forms
