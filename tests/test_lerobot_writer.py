@@ -9,6 +9,7 @@ itself and is skipped where LeRobot is not installed (see docs/lerobot.md).
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import json
 import os
@@ -26,7 +27,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from jaxtraj import lerobot_writer
-from jaxtraj.lerobot_writer import DEFAULT_FEATURES, LeRobotWriter
+from jaxtraj.lerobot import DEFAULT_FEATURES, QUANTILES, LeRobotWriter, files
+from jaxtraj.lerobot.format import tasks_table
 
 FPS = 10
 FEATURES = {
@@ -40,7 +42,6 @@ FEATURES = {
 }
 GLOBS = ("data/*/*.parquet", "meta/episodes/*/*.parquet")
 TASKS = ["pick the cube", "place the cube", "push the button"]
-WRITER_PATH = Path(lerobot_writer.__file__)
 
 
 def make_episode(rng: np.random.Generator, length: int) -> dict[str, np.ndarray]:
@@ -344,7 +345,7 @@ def test_tasks_parquet(tmp_path):
 
 def test_tasks_parquet_pandas_index():
     pd = pytest.importorskip("pandas")
-    table = lerobot_writer._tasks_table(["pick", "place"])
+    table = tasks_table(["pick", "place"])
     buffer = pa.BufferOutputStream()
     pq.write_table(table, buffer)
     frame = pd.read_parquet(pa.BufferReader(buffer.getvalue()))
@@ -368,7 +369,7 @@ def assert_stats(stats: dict, data: pa.Table):
         np.testing.assert_allclose(s["mean"], x.mean(0), rtol=1e-9, atol=1e-12, err_msg=name)
         np.testing.assert_allclose(s["std"], x.std(0), rtol=1e-7, atol=1e-12, err_msg=name)
         ordered = np.sort(x.astype(np.float32).astype(np.float64), axis=0)
-        for key, q in lerobot_writer.QUANTILES.items():
+        for key, q in QUANTILES.items():
             rank = q * (len(x) - 1)
             lo, hi = ordered[int(np.floor(rank))], ordered[int(np.ceil(rank))]
             exact = lo + (rank - np.floor(rank)) * (hi - lo)
@@ -398,7 +399,7 @@ def test_stats_do_not_depend_on_how_calls_split_episodes(tmp_path):
     a = json.loads((tmp_path / "one/meta/stats.json").read_text())
     b = json.loads((tmp_path / "three/meta/stats.json").read_text())
     for name in a:
-        for key in ("min", "max", "count", *lerobot_writer.QUANTILES):
+        for key in ("min", "max", "count", *QUANTILES):
             assert a[name][key] == b[name][key], (name, key)
         for key in ("mean", "std"):
             np.testing.assert_allclose(a[name][key], b[name][key], rtol=1e-12, atol=1e-15)
@@ -594,7 +595,7 @@ class Killed(BaseException):
 def count_commits(tmp_path: Path, batches) -> list[int]:
     """How many files each call commits (data, metadata, tasks, stats, info)."""
     counts, total = [], [0]
-    real = lerobot_writer._commit
+    real = files.commit
 
     def counting(tmp, path):
         total[0] += 1
@@ -602,7 +603,7 @@ def count_commits(tmp_path: Path, batches) -> list[int]:
 
     writer = new_writer(tmp_path / "count", data_files_size_in_mb=0.01, chunks_size=2)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(lerobot_writer, "_commit", counting)
+        mp.setattr(files, "commit", counting)
         for batch in batches:
             before = total[0]
             writer.add_episodes(*batch)
@@ -625,7 +626,7 @@ def test_crash_at_every_commit_leaves_a_loadable_dataset(tmp_path):
             writer.add_episodes(*batches[0])
             writer.add_episodes(*batches[1])
             seen = [0]
-            real = lerobot_writer._commit
+            real = files.commit
 
             def dying(tmp, path, k=k, rename=rename):
                 if seen[0] == k:
@@ -636,7 +637,7 @@ def test_crash_at_every_commit_leaves_a_loadable_dataset(tmp_path):
                 real(tmp, path)
 
             with pytest.MonkeyPatch.context() as mp:
-                mp.setattr(lerobot_writer, "_commit", dying)
+                mp.setattr(files, "commit", dying)
                 with pytest.raises(Killed):
                     writer.add_episodes(*batches[2])
             last_commit = rename and k == commits[2] - 1
@@ -654,7 +655,7 @@ def test_crash_at_every_commit_leaves_a_loadable_dataset(tmp_path):
             assert_stats(d["stats"], d["data"])
             # The same files as a run that never crashed; statistics may differ in the last
             # bits where they were rebuilt from the data files.
-            files = {
+            contents = {
                 p.relative_to(root).as_posix(): pq.read_table(p)
                 if p.suffix == ".parquet"
                 else p.read_bytes()
@@ -662,31 +663,197 @@ def test_crash_at_every_commit_leaves_a_loadable_dataset(tmp_path):
                 if p.is_file() and p.name not in (".jaxtraj-stats.npz", "stats.json")
             }
             if reference is None:
-                reference = files
-            assert files.keys() == reference.keys()
-            for name, content in files.items():
+                reference = contents
+            assert contents.keys() == reference.keys()
+            for name, content in contents.items():
                 assert content == reference[name], name
+
+
+def count_writes(root: Path, batches) -> list[int]:
+    """How many files each call writes (parquet, npz and json), before any is renamed."""
+    counts = []
+    writer = new_writer(root, data_files_size_in_mb=0.01, chunks_size=2)
+    for batch in batches:
+        with killed_at_write(None) as seen:
+            writer.add_episodes(*batch)
+        counts.append(seen[0])
+    return counts
+
+
+@contextlib.contextmanager
+def killed_at_write(k: int | None):
+    """Count file writes; the process "dies" as the k-th write (from 0) starts, if k is given."""
+    seen = [0]
+    with pytest.MonkeyPatch.context() as mp:
+        for owner, name in ((pq, "write_table"), (np, "savez"), (Path, "write_bytes")):
+            real = getattr(owner, name)
+
+            def dying(*args, real=real, **kwargs):
+                if seen[0] == k:
+                    raise Killed
+                seen[0] += 1
+                return real(*args, **kwargs)
+
+            mp.setattr(owner, name, dying)
+        yield seen
+
+
+def test_killed_while_writing_leaves_only_committed_files(tmp_path):
+    """Issue 11: until a call commits, LeRobot's globs find only committed rows.
+
+    The call is killed as each of its files starts to be written (the earlier ones written
+    whole), and the folder is then read the way LeRobot reads it: every file the globs match,
+    with nothing past info.json's totals.
+    """
+    rng = np.random.default_rng(17)
+    batches = [make_batch(rng, 3), make_batch(rng, 30, lo=1, hi=4), make_batch(rng, 6, 20, 30)]
+    batches[2][1][0] = "a brand new task"
+    writes = count_writes(tmp_path / "count", batches)
+    # Data files, metadata files, tasks, stats.json, the cache and info.json.
+    assert writes[2] >= 7
+    reference = None
+    for k in range(writes[2]):
+        root = tmp_path / f"kill-{k}"
+        writer = new_writer(root, data_files_size_in_mb=0.01, chunks_size=2)
+        writer.add_episodes(*batches[0])
+        writer.add_episodes(*batches[1])
+        with killed_at_write(k), pytest.raises(Killed):
+            writer.add_episodes(*batches[2])
+        d = check_dataset(root, strict=True)
+        assert (d["info"]["total_episodes"], d["data"].num_rows) == (33, writer.num_frames)
+        assert d["episodes"].column("episode_index").to_pylist() == list(range(33))
+        writer = LeRobotWriter.open(root)
+        assert writer.add_episodes(*batches[2]) == range(33, 39)
+        d = check_dataset(root, strict=True)
+        assert_stats(d["stats"], d["data"])
+        if reference is None:
+            reference = d["data"]
+        assert d["data"].equals(reference)
+
+
+def test_publishing_renames_metadata_then_info_last(tmp_path):
+    """After the writes, a call only renames: data, tasks, stats, episodes metadata, info.json.
+
+    A kill between two of these renames is the one moment a reader can see rows beyond
+    info.json's totals; the episodes metadata, the rows LeRobot indexes, goes just before
+    info.json to keep that moment short.
+    """
+    rng = np.random.default_rng(18)
+    writer = new_writer(tmp_path / "ds", data_files_size_in_mb=0.01, chunks_size=2)
+    writer.add_episodes(*make_batch(rng, 30, lo=1, hi=4))
+    order = []
+    real = files.commit
+
+    def recording(tmp, path):
+        order.append(path.relative_to(tmp_path / "ds").as_posix())
+        real(tmp, path)
+
+    batch = make_batch(rng, 6, 20, 30)
+    batch[1][0] = "a brand new task"
+    writes_before = []
+    publish = files.publish
+
+    def counting_publish(staged):
+        writes_before.append(seen[0])
+        publish(staged)
+
+    with killed_at_write(None) as seen, pytest.MonkeyPatch.context() as mp:
+        mp.setattr(files, "commit", recording)
+        mp.setattr(files, "publish", counting_publish)
+        writer.add_episodes(*batch)
+    assert writes_before == [seen[0]]  # every file was written before the first rename
+    kinds = [p.split("/")[0] if p.startswith("data/") else p for p in order]
+    data = [p for p in kinds if p == "data"]
+    assert len(data) >= 2 and kinds[: len(data)] == data
+    assert kinds[len(data) :][:3] == [
+        "meta/tasks.parquet",
+        "meta/stats.json",
+        "meta/.jaxtraj-stats.npz",
+    ]
+    metadata = kinds[len(data) + 3 : -1]
+    assert metadata and all(p.startswith("meta/episodes/") for p in metadata)
+    assert kinds[-1] == "meta/info.json"
+
+
+def damage(root: Path, case: str) -> Path:
+    """Break one committed file in the middle of the dataset; return it."""
+    if "data" in case:
+        path = sorted(root.glob("data/*/*.parquet"))[1]
+    else:
+        path = sorted(root.glob("meta/episodes/*/*.parquet"))[0]
+    if case.startswith("missing"):
+        path.unlink()
+    else:
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    return path
+
+
+@pytest.mark.parametrize(
+    "case", ["truncated data", "missing data", "truncated episodes", "missing episodes"]
+)
+def test_resume_refuses_a_damaged_or_missing_committed_file(tmp_path, case):
+    """Issue 12: every committed file is checked on open, not only the last data file."""
+    root = tmp_path / "ds"
+    rng = np.random.default_rng(19)
+    writer = new_writer(root, data_files_size_in_mb=0.01, chunks_size=2)
+    for _ in range(3):
+        writer.add_episodes(*make_batch(rng, 60, lo=1, hi=3))
+    assert len(list(root.glob("data/*/*.parquet"))) >= 3
+    assert len(list(root.glob("meta/episodes/*/*.parquet"))) >= 2
+    path = damage(root, case)
+    before = snapshot(root)
+    with pytest.raises(ValueError, match=str(path.relative_to(tmp_path))):
+        LeRobotWriter.open(root)
+    assert snapshot(root) == before
+
+
+@pytest.mark.parametrize("case", ["truncated", "garbage", "empty"])
+def test_resume_rebuilds_a_damaged_stats_cache(tmp_path, case):
+    """Issue 13: the statistics cache is only a shortcut; a damaged one is rebuilt."""
+    root = tmp_path / "ds"
+    rng = np.random.default_rng(20)
+    writer = new_writer(root)
+    writer.add_episodes(*make_batch(rng, 5))
+    cache = root / "meta/.jaxtraj-stats.npz"
+    content = cache.read_bytes()
+    cache.write_bytes(
+        {"truncated": content[: len(content) // 2], "garbage": b"x" * 1000, "empty": b""}[case]
+    )
+    writer = LeRobotWriter.open(root)
+    with np.load(cache) as state:  # rewritten whole
+        assert int(state["num_frames"]) == writer.num_frames
+    writer.add_episodes(*make_batch(rng, 2))
+    d = check_dataset(root)
+    assert_stats(d["stats"], d["data"])
+
+
+def test_compatibility_module():
+    """``jaxtraj.lerobot_writer`` still offers what it did, from ``jaxtraj.lerobot``."""
+    from jaxtraj.lerobot import features
+
+    assert lerobot_writer.LeRobotWriter is LeRobotWriter
+    assert lerobot_writer.DEFAULT_FEATURES is DEFAULT_FEATURES
+    assert lerobot_writer.QUANTILES is QUANTILES
+    assert callable(features)
 
 
 SCRIPT = textwrap.dedent(
     """
-    import importlib.util, os, sys
+    import os, sys
     import numpy as np
-    spec = importlib.util.spec_from_file_location("lerobot_writer", sys.argv[1])
-    lw = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(lw)
+    from jaxtraj.lerobot import LeRobotWriter, files
     features = {features!r}
-    mode, root = sys.argv[2], sys.argv[3]
+    mode, root = sys.argv[1], sys.argv[2]
     if mode == "exit":
         # Die for real in the middle of the fourth call, between two file commits.
-        real, seen = lw._commit, [0]
+        real, seen = files.commit, [0]
         def dying(tmp, path):
             seen[0] += 1
             if seen[0] == 3 * 6 + 3:
                 os._exit(17)
             real(tmp, path)
-        lw._commit = dying
-    writer = lw.LeRobotWriter(root, fps=10, features=features, robot_type="so101")
+        files.commit = dying
+    writer = LeRobotWriter(root, fps=10, features=features, robot_type="so101")
     rng = np.random.default_rng(0)
     for call in range(100_000):
         episodes = []
@@ -707,7 +874,7 @@ def run_script(tmp_path: Path, mode: str) -> subprocess.Popen:
     script = tmp_path / "append_loop.py"
     script.write_text(SCRIPT)
     return subprocess.Popen(
-        [sys.executable, str(script), str(WRITER_PATH), mode, str(tmp_path / "ds")],
+        [sys.executable, str(script), mode, str(tmp_path / "ds")],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -1,0 +1,268 @@
+"""Opening an existing dataset folder: check it, load its committed state, drop what is not.
+
+A folder is consistent when ``info.json``'s totals match the episodes metadata, every file that
+metadata refers to exists with a readable parquet footer and the rows it claims, and the tasks
+file holds at least ``total_tasks`` tasks. A writer killed while publishing a call may have left
+files past those totals (new data files, trailing episodes rows, new tasks) and staged temporary
+files; ``resume`` removes them, so numbering continues without a gap. Everything is read and
+checked first; files change only once the whole folder is known to be consistent, so a folder
+that is not raises ``ValueError``, naming the offending file, and is left untouched.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from jaxtraj.lerobot import files, stats
+from jaxtraj.lerobot.format import (
+    DATA_GLOB,
+    DATA_PATH,
+    EPISODES_GLOB,
+    STATS_PATH,
+    STATS_STATE_PATH,
+    TASKS_PATH,
+    Location,
+    data_path,
+    episodes_path,
+    located_files,
+    next_location,
+    read_info,
+    tasks_table,
+)
+
+# The episodes-metadata columns the writer needs to continue a dataset.
+_NEEDED = (
+    "episode_index",
+    "length",
+    "data/chunk_index",
+    "data/file_index",
+    "dataset_from_index",
+    "dataset_to_index",
+)
+
+
+@dataclass
+class Committed:
+    """What a writer needs to continue a dataset: its committed state, as of ``info.json``.
+
+    Attributes:
+        tasks: Task strings in ``task_index`` order.
+        data_loc: The last data file's location; None before the first episode.
+        meta_loc: The last episodes-metadata file's location; None before the first episode.
+        meta_table: That file's rows.
+        stats: Every feature's running statistics over the committed frames.
+    """
+
+    tasks: list[str]
+    data_loc: Location | None
+    meta_loc: Location | None
+    meta_table: pa.Table | None
+    stats: dict[str, stats.RunningStats]
+
+
+def check_empty(root: Path) -> None:
+    """Refuse to create a dataset in a folder that holds anything but a killed creation's debris."""
+    if root.exists() and not root.is_dir():
+        raise ValueError(f"{root} exists and is not a folder")
+    if root.is_dir():
+        # Temporary files and empty folders are what a writer killed at creation leaves.
+        stray = [p for p in root.rglob("*") if p.is_file() and not files.is_tmp(p)]
+        if stray:
+            raise ValueError(
+                f"{root} is not empty and has no meta/info.json (found"
+                f" {stray[0].relative_to(root)}); refusing to write a dataset into it"
+            )
+
+
+def check_settings(
+    path: Path,
+    features: Mapping[str, Any],
+    fps: int,
+    robot_type: str | None,
+    data_files_size_in_mb: float | None,
+    chunks_size: int | None,
+) -> dict[str, Any]:
+    """Read ``info.json`` at ``path``; ``ValueError`` unless it matches the writer's settings.
+
+    ``data_files_size_in_mb`` and ``chunks_size`` are checked only when given (not None).
+    """
+    info = read_info(path)
+    theirs = info.get("features")
+    if not isinstance(theirs, dict):
+        raise ValueError(f"{path}: features is not an object")
+    if theirs != features:
+        missing = sorted(set(features) - set(theirs))
+        extra = sorted(set(theirs) - set(features))
+        changed = sorted(k for k in set(theirs) & set(features) if theirs[k] != features[k])
+        raise ValueError(
+            f"{path}: features differ from the dataset's: not in the dataset {missing},"
+            f" only in the dataset {extra}, different spec {changed}"
+        )
+    expected = {"fps": fps, "robot_type": robot_type, "data_path": DATA_PATH, "video_path": None}
+    if data_files_size_in_mb is not None:
+        expected["data_files_size_in_mb"] = data_files_size_in_mb
+    if chunks_size is not None:
+        expected["chunks_size"] = chunks_size
+    for key, value in expected.items():
+        if info.get(key) != value:
+            raise ValueError(f"{path}: {key} is {info.get(key)!r}, not {value!r}")
+    for key in ("total_episodes", "total_frames", "total_tasks", "chunks_size"):
+        if not isinstance(info.get(key), int) or info[key] < (1 if key == "chunks_size" else 0):
+            raise ValueError(f"{path}: {key} is {info.get(key)!r}")
+    size = info.get("data_files_size_in_mb")
+    if isinstance(size, bool) or not isinstance(size, int | float) or not size > 0:
+        raise ValueError(f"{path}: data_files_size_in_mb is {size!r}")
+    return info
+
+
+def _read_table(path: Path, what: str) -> pa.Table:
+    try:
+        return pq.read_table(path)
+    except (OSError, ValueError) as err:  # pyarrow's errors derive from these
+        raise ValueError(f"{path}: unreadable {what} ({err})") from None
+
+
+def resume(root: Path, info: Mapping[str, Any], features: Mapping[str, Any]) -> Committed:
+    """Check the dataset at ``root`` against ``info``, drop its uncommitted tail, load its state.
+
+    Args:
+        root: The dataset folder.
+        info: Its ``info.json``, already checked by ``check_settings``.
+        features: Every per-frame feature, bookkeeping columns included.
+
+    Returns:
+        The committed state. The statistics cache and ``stats.json`` are rewritten from the data
+        files when they are missing, damaged or stale.
+    """
+    num_episodes, num_frames, num_tasks = (
+        info["total_episodes"],
+        info["total_frames"],
+        info["total_tasks"],
+    )
+    remove = [
+        tmp
+        for pattern in ("meta/.*", "meta/episodes/*/.*", "data/*/.*")
+        for tmp in root.glob(pattern + files.TMP_MARK + "*")
+    ]
+    rewrite: list[tuple[Path, pa.Table, dict[str, Any]]] = []
+
+    # Episodes metadata: rows below total_episodes are committed, and come first, in files at
+    # consecutive locations.
+    committed: list[pa.Table] = []
+    meta_loc, meta_table = None, None
+    for loc, path in located_files(root, EPISODES_GLOB):
+        table = _read_table(path, "episodes metadata")
+        if "episode_index" not in table.column_names:
+            raise ValueError(f"{path}: no episode_index column")
+        keep = int(np.sum(table.column("episode_index").to_numpy() < num_episodes))
+        if keep == 0:
+            remove.append(path)
+            continue
+        expected = next_location(meta_loc, info["chunks_size"])
+        if loc != expected:
+            raise ValueError(f"{episodes_path(root, expected)}: missing episodes metadata file")
+        if keep < table.num_rows:
+            table = table.slice(0, keep)
+            rewrite.append((path, table, {"compression": "snappy"}))
+        committed.append(table)
+        meta_loc, meta_table = loc, table
+    cols = {c: np.zeros(0, dtype=np.int64) for c in _NEEDED}
+    if committed:
+        episodes = pa.concat_tables(committed, promote_options="default")
+        missing = [c for c in _NEEDED if c not in episodes.column_names]
+        if missing:
+            raise ValueError(f"{root}: episodes metadata lacks columns {missing}")
+        cols = {c: episodes.column(c).to_numpy() for c in _NEEDED}
+    if len(cols["episode_index"]) < num_episodes:
+        after = episodes_path(root, next_location(meta_loc, info["chunks_size"]))
+        raise ValueError(
+            f"{root}: episodes {len(cols['episode_index'])} to {num_episodes - 1} are in no"
+            f" episodes metadata file ({after.relative_to(root)} missing?)"
+        )
+    if (
+        not np.array_equal(cols["episode_index"], np.arange(num_episodes))
+        or int(cols["length"].sum()) != num_frames
+        or (num_episodes and int(cols["dataset_to_index"][-1]) != num_frames)
+    ):
+        raise ValueError(
+            f"{root}: episodes metadata does not match info.json"
+            f" ({num_episodes} episodes, {num_frames} frames)"
+        )
+
+    # Data files: every one the committed episodes name must exist, have a readable footer and
+    # hold exactly their rows; files past the last are the uncommitted tail.
+    locs = list(zip(cols["data/chunk_index"].tolist(), cols["data/file_index"].tolist()))
+    if locs != sorted(locs):
+        raise ValueError(f"{root}: episodes metadata lists data files out of order")
+    rows: dict[Location, int] = {}
+    for loc, length in zip(locs, cols["length"].tolist()):
+        rows[loc] = rows.get(loc, 0) + length
+    data_files = []
+    for loc, expected_rows in rows.items():
+        path = data_path(root, loc)
+        if not path.is_file():
+            raise ValueError(f"{path}: missing data file (the episodes metadata refers to it)")
+        try:
+            found_rows = pq.ParquetFile(path).metadata.num_rows
+        except (OSError, ValueError) as err:
+            raise ValueError(f"{path}: damaged data file ({err})") from None
+        if found_rows != expected_rows:
+            raise ValueError(
+                f"{path}: holds {found_rows} rows, the episodes metadata says {expected_rows}"
+            )
+        data_files.append(path)
+    last = locs[-1] if locs else None
+    for loc, path in located_files(root, DATA_GLOB):
+        if last is None or loc > last:
+            remove.append(path)
+        elif loc not in rows:
+            raise ValueError(f"{path}: a data file that no episode refers to")
+
+    # Tasks: appended in task_index order, so the committed ones are a prefix.
+    path = root / TASKS_PATH
+    tasks: list[str] = []
+    if not num_tasks and path.is_file():
+        remove.append(path)
+    elif num_tasks:
+        table = _read_table(path, "tasks file") if path.is_file() else None
+        name = next(
+            (c for c in ("task", "__index_level_0__") if table and c in table.column_names),
+            None,
+        )
+        if table is None or name is None or table.num_rows < num_tasks:
+            raise ValueError(f"{path}: missing, or fewer than {num_tasks} tasks")
+        order = np.argsort(table.column("task_index").to_numpy(), kind="stable")
+        tasks = [table.column(name)[int(i)].as_py() for i in order[:num_tasks]]
+        if table.num_rows > num_tasks:
+            rewrite.append((path, tasks_table(tasks), {}))
+
+    # Statistics: the cached state if it is sound and matches info.json, else a rescan.
+    running = stats.load_state(root / STATS_STATE_PATH, features, num_frames)
+    stale = running is None
+    if running is None:
+        running = stats.rebuild(data_files, features)
+    else:
+        try:
+            saved = json.loads((root / STATS_PATH).read_text())
+            stale = saved["index"]["count"] != [num_frames]
+        except (OSError, ValueError, KeyError, TypeError):
+            stale = True
+    if not num_frames:
+        remove += [p for p in (root / STATS_PATH, root / STATS_STATE_PATH) if p.is_file()]
+
+    # Consistent: now drop the uncommitted tail.
+    for path, table, options in rewrite:
+        files.write_table(path, table, **options)
+    for path in remove:
+        path.unlink()
+    if num_frames and stale:
+        files.publish(stats.stage_files(root, running, num_frames))
+    return Committed(tasks, last, meta_loc, meta_table, running)
