@@ -5,6 +5,11 @@ The collector holds half a training step of the realistic parts of
 ``benchmarks/collect.py`` (B = 64 environments, T = 64 chunks: image, state, actions,
 log-probabilities, values, tokens, action-level rewards), so partial slots included.
 
+Restore is the whole of ``jaxtraj.checkpoint.restore``: building the fresh collector,
+checks and checksums, reading, and the arrays on the device. For reference, orbax's
+``StandardCheckpointer`` saving and restoring the same tree (arrays only, into numpy
+targets, no collector, no checksums) is timed alongside when orbax is installed.
+
     python benchmarks/checkpoint.py [--quick]
 
 Writes ``benchmarks/results/checkpoint.json``.
@@ -38,10 +43,29 @@ def median_time(fn, repeats):
     return statistics.median(times[1:])
 
 
+def orbax_times(tree, root, repeats):
+    """Median save and restore seconds of orbax's StandardCheckpointer, or None."""
+    try:
+        import orbax.checkpoint as ocp
+    except ImportError:
+        return None
+    target = jax.tree.map(lambda x: np.zeros(np.shape(x), x.dtype), tree)
+
+    def save(i):
+        with ocp.StandardCheckpointer() as ckpt:  # leaving it waits for the write
+            ckpt.save(root / f"orbax{i}", tree)
+
+    def restore(i):
+        with ocp.StandardCheckpointer() as ckpt:
+            ckpt.restore(root / f"orbax{i}", target)
+
+    return median_time(save, repeats), median_time(restore, repeats)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(
         "--out", default=os.path.join(os.path.dirname(__file__), "results", "checkpoint.json")
     )
@@ -51,7 +75,8 @@ def main():
     plan = TrajectoryPlan(num_chunks=T, batch_size=B)
     c = jaxtraj.TrajectoryCollector(plan, *examples(parts))
     c.add_many(parts[: len(parts) // 2])
-    arrays = [np.asarray(x) for x in jax.tree.leaves(checkpoint._tree(c))]
+    tree = c.state_dict()
+    arrays = [np.asarray(x) for x in jax.tree.leaves(tree)]
     nbytes = sum(a.nbytes for a in arrays)
     root = Path(tempfile.mkdtemp(dir=os.environ.get("JAXTRAJ_BENCH_DIR")))
     try:
@@ -69,6 +94,7 @@ def main():
                 [f[k] for k in f.files]
 
         np_load_s = median_time(np_load, args.repeats)
+        orbax_s = orbax_times(tree, root, args.repeats)
     finally:
         shutil.rmtree(root)
     report = {
@@ -81,7 +107,14 @@ def main():
         "numpy_load_ms": np_load_s * 1e3,
         "save_x_numpy": save_s / np_save_s,
         "restore_x_numpy": restore_s / np_load_s,
+        "checkpoint_format": checkpoint.FORMAT,
     }
+    if orbax_s is not None:
+        report.update(
+            orbax_save_ms=orbax_s[0] * 1e3,
+            orbax_restore_ms=orbax_s[1] * 1e3,
+            orbax_restore_x_numpy=orbax_s[1] / np_load_s,
+        )
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
@@ -90,6 +123,11 @@ def main():
         f"({report['save_x_numpy']:.2f}x np.savez {np_save_s * 1e3:.1f} ms), restore "
         f"{restore_s * 1e3:.1f} ms ({report['restore_x_numpy']:.2f}x np.load {np_load_s * 1e3:.1f} ms)"
     )
+    if orbax_s is not None:
+        print(
+            f"orbax StandardCheckpointer, arrays only: save {orbax_s[0] * 1e3:.1f} ms, restore "
+            f"{orbax_s[1] * 1e3:.1f} ms ({report['orbax_restore_x_numpy']:.2f}x np.load)"
+        )
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 import subprocess
@@ -92,40 +93,106 @@ def test_pipeline_and_lerobot_state_round_trip(tmp_path):
         np.testing.assert_array_equal(x, y)
 
 
-def test_other_plan_and_damaged_checkpoints_are_refused(tmp_path):
+def saved(tmp_path, name="ck"):
+    """A checkpoint of half a step (partial slots, a routed fragment), and its metadata."""
     c = jaxtraj.TrajectoryCollector(PLAN, policy_part(0), env_part(0))
     for p in first_of_step():
         c.add(p)
-    checkpoint.save(c, tmp_path / "ck")
+    checkpoint.save(c, tmp_path / name)
+    return c, tmp_path / name, json.loads((tmp_path / name / checkpoint.META).read_text())
+
+
+def restore(path):
+    return checkpoint.restore(path, PLAN, policy_part(0), env_part(0))
+
+
+def edit_meta(path, meta):
+    (path / checkpoint.META).write_text(json.dumps(meta))
+
+
+def test_other_plan_and_layout_are_refused(tmp_path):
+    c, path, meta = saved(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]  # no temporary left behind
     with pytest.raises(checkpoint.CheckpointError, match="another plan"):
         checkpoint.restore(
-            tmp_path / "ck",
-            dataclasses.replace(PLAN, num_chunks=T + 1),
-            policy_part(0),
-            env_part(0),
+            path, dataclasses.replace(PLAN, num_chunks=T + 1), policy_part(0), env_part(0)
         )
+    odd = policy_part(0).replace(obs={**policy_part(0).obs, "extra": np.zeros((B, 1), np.float32)})
     with pytest.raises(checkpoint.CheckpointError, match="other buffers"):
-        odd = policy_part(0).replace(
-            obs={**policy_part(0).obs, "extra": np.zeros((B, 1), np.float32)}
-        )
-        checkpoint.restore(tmp_path / "ck", PLAN, odd, env_part(0))
+        checkpoint.restore(path, PLAN, odd, env_part(0))
     with pytest.raises(checkpoint.CheckpointError, match="exists"):
-        checkpoint.save(c, tmp_path / "ck")
-    # Damage: flip bytes in every data file of the orbax checkpoint.
-    files = [
-        f for f in (tmp_path / "ck" / "state").rglob("*") if f.is_file() and f.stat().st_size > 64
-    ]
-    assert files
-    for f in files:
-        data = bytearray(f.read_bytes())
-        for i in range(32, len(data), 97):
-            data[i] ^= 0xFF
-        f.write_bytes(bytes(data))
-    with pytest.raises(checkpoint.CheckpointError, match="damaged"):
-        checkpoint.restore(tmp_path / "ck", PLAN, policy_part(0), env_part(0))
-    # Incomplete: the marker written last is missing.
-    meta = tmp_path / "ck" / "jaxtraj.json"
-    json.loads(meta.read_text())
-    meta.unlink()
+        checkpoint.save(c, path)
+    edit_meta(path, {**meta, "format": 1})
+    with pytest.raises(checkpoint.CheckpointError, match="format 1, expected 2"):
+        restore(path)
+
+
+def test_incomplete_and_damaged_checkpoints_are_refused(tmp_path):
+    _, path, _ = saved(tmp_path)
+    data = (path / checkpoint.ARRAYS).read_bytes()
+    flipped = bytearray(data)
+    for i in range(0, len(flipped), 97):
+        flipped[i] ^= 0xFF
+    (path / checkpoint.ARRAYS).write_bytes(bytes(flipped))
+    with pytest.raises(checkpoint.CheckpointError, match="fail their checksum"):
+        restore(path)
+    (path / checkpoint.ARRAYS).write_bytes(data[: len(data) // 2])
+    with pytest.raises(checkpoint.CheckpointError, match="truncated"):
+        restore(path)
+    (path / checkpoint.ARRAYS).unlink()
     with pytest.raises(checkpoint.CheckpointError, match="not a complete"):
-        checkpoint.restore(tmp_path / "ck", PLAN, policy_part(0), env_part(0))
+        restore(path)
+    (path / checkpoint.META).unlink()
+    with pytest.raises(checkpoint.CheckpointError, match="not a complete"):
+        restore(path)
+
+
+def test_an_edited_checksum_list_is_refused(tmp_path):
+    """Every array needs its own checksum, found by its path: none skipped, none reused."""
+    _, path, meta = saved(tmp_path)
+    restore(path)  # intact
+    name = max(meta["arrays"], key=lambda n: meta["arrays"][n]["nbytes"])
+    entry = meta["arrays"][name]
+    dropped = {k: v for k, v in entry.items() if k != "crc32"}
+    edit_meta(path, {**meta, "arrays": {**meta["arrays"], name: dropped}})
+    with pytest.raises(checkpoint.CheckpointError, match="no checksum for array") as info:
+        restore(path)
+    assert name in str(info.value)
+    changed = {**entry, "crc32": entry["crc32"] ^ 1}
+    edit_meta(path, {**meta, "arrays": {**meta["arrays"], name: changed}})
+    with pytest.raises(checkpoint.CheckpointError, match="fail their checksum") as info:
+        restore(path)
+    assert name in str(info.value)
+    fewer = {n: e for n, e in meta["arrays"].items() if n != name}
+    edit_meta(path, {**meta, "arrays": fewer})
+    with pytest.raises(checkpoint.CheckpointError, match="not in the checkpoint") as info:
+        restore(path)
+    assert name in str(info.value)
+
+
+def test_an_array_rewritten_with_other_valid_values_is_refused(tmp_path):
+    """The file reads fine and every layout check passes: only the CRC32 can tell."""
+    _, path, meta = saved(tmp_path)
+    numeric = {n: e for n, e in meta["arrays"].items() if e["dtype"] != "bool" and e["nbytes"]}
+    name = max(numeric, key=lambda n: numeric[n]["nbytes"])
+    offset, nbytes, dtype = (numeric[name][k] for k in ("offset", "nbytes", "dtype"))
+    data = bytearray((path / checkpoint.ARRAYS).read_bytes())
+    values = np.frombuffer(data[offset : offset + nbytes], np.dtype(dtype))
+    data[offset : offset + nbytes] = (values + 1).astype(values.dtype).tobytes()
+    (path / checkpoint.ARRAYS).write_bytes(bytes(data))
+    with pytest.raises(checkpoint.CheckpointError, match="1 array.s. fail their checksum") as info:
+        restore(path)
+    assert name in str(info.value)
+
+
+def test_checkpoint_reads_no_private_attribute():
+    """The collector is reached through its public members only (state_dict and co.)."""
+    tree = ast.parse(Path(checkpoint.__file__).read_text())
+    private = [
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and node.attr.startswith("_")
+        and not node.attr.startswith("__")
+    ]
+    assert private == []
