@@ -8,7 +8,8 @@ log-probabilities, values, tokens, action-level rewards), so partial slots inclu
 Restore is the whole of ``jaxtraj.checkpoint.restore``: building the fresh collector,
 checks and checksums, reading, and the arrays on the device. For reference, orbax's
 ``StandardCheckpointer`` saving and restoring the same tree (arrays only, into numpy
-targets, no collector, no checksums) is timed alongside when orbax is installed.
+targets, no collector, no checksums) is timed too when orbax is installed. The calls take
+turns, so on a shared machine each meets the same load as its numpy counterpart.
 
     python benchmarks/checkpoint.py [--quick]
 
@@ -34,17 +35,20 @@ import jaxtraj
 from jaxtraj import TrajectoryPlan, checkpoint
 
 
-def median_time(fn, repeats):
-    times = []
+def median_times(fns, repeats):
+    """Median seconds of each ``fn(i)``, the first call left out; the functions take
+    turns, so on a shared machine each pair meets the same load."""
+    times = [[] for _ in fns]
     for i in range(repeats + 1):
-        t0 = time.perf_counter()
-        fn(i)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
+        for fn, ts in zip(fns, times):
+            t0 = time.perf_counter()
+            fn(i)
+            ts.append(time.perf_counter() - t0)
+    return [statistics.median(ts[1:]) for ts in times]
 
 
-def orbax_times(tree, root, repeats):
-    """Median save and restore seconds of orbax's StandardCheckpointer, or None."""
+def orbax_calls(tree, root):
+    """Save and restore calls of orbax's StandardCheckpointer on ``tree``, or None."""
     try:
         import orbax.checkpoint as ocp
     except ImportError:
@@ -59,7 +63,7 @@ def orbax_times(tree, root, repeats):
         with ocp.StandardCheckpointer() as ckpt:
             ckpt.restore(root / f"orbax{i}", target)
 
-    return median_time(save, repeats), median_time(restore, repeats)
+    return save, restore
 
 
 def main():
@@ -80,21 +84,27 @@ def main():
     nbytes = sum(a.nbytes for a in arrays)
     root = Path(tempfile.mkdtemp(dir=os.environ.get("JAXTRAJ_BENCH_DIR")))
     try:
-        save_s = median_time(lambda i: checkpoint.save(c, root / f"ck{i}"), args.repeats)
-        restore_s = median_time(
-            lambda i: jax.block_until_ready(
-                checkpoint.restore(root / f"ck{i}", plan, *examples(parts)).states
-            ),
-            args.repeats,
-        )
-        np_save_s = median_time(lambda i: np.savez(root / f"np{i}.npz", *arrays), args.repeats)
+
+        def restore(i):
+            collector = checkpoint.restore(root / f"ck{i}", plan, *examples(parts))
+            jax.block_until_ready(collector.states)
 
         def np_load(i):
             with np.load(root / f"np{i}.npz") as f:
                 [f[k] for k in f.files]
 
-        np_load_s = median_time(np_load, args.repeats)
-        orbax_s = orbax_times(tree, root, args.repeats)
+        orbax = orbax_calls(tree, root) or ()
+        save_s, np_save_s, *orbax_save = median_times(
+            [
+                lambda i: checkpoint.save(c, root / f"ck{i}"),
+                lambda i: np.savez(root / f"np{i}.npz", *arrays),
+                *orbax[:1],
+            ],
+            args.repeats,
+        )
+        restore_s, np_load_s, *orbax_restore = median_times(
+            [restore, np_load, *orbax[1:]], args.repeats
+        )
     finally:
         shutil.rmtree(root)
     report = {
@@ -109,11 +119,11 @@ def main():
         "restore_x_numpy": restore_s / np_load_s,
         "checkpoint_format": checkpoint.FORMAT,
     }
-    if orbax_s is not None:
+    if orbax:
         report.update(
-            orbax_save_ms=orbax_s[0] * 1e3,
-            orbax_restore_ms=orbax_s[1] * 1e3,
-            orbax_restore_x_numpy=orbax_s[1] / np_load_s,
+            orbax_save_ms=orbax_save[0] * 1e3,
+            orbax_restore_ms=orbax_restore[0] * 1e3,
+            orbax_restore_x_numpy=orbax_restore[0] / np_load_s,
         )
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
@@ -123,10 +133,11 @@ def main():
         f"({report['save_x_numpy']:.2f}x np.savez {np_save_s * 1e3:.1f} ms), restore "
         f"{restore_s * 1e3:.1f} ms ({report['restore_x_numpy']:.2f}x np.load {np_load_s * 1e3:.1f} ms)"
     )
-    if orbax_s is not None:
+    if orbax:
         print(
-            f"orbax StandardCheckpointer, arrays only: save {orbax_s[0] * 1e3:.1f} ms, restore "
-            f"{orbax_s[1] * 1e3:.1f} ms ({report['orbax_restore_x_numpy']:.2f}x np.load)"
+            f"orbax StandardCheckpointer, arrays only: save {orbax_save[0] * 1e3:.1f} ms, "
+            f"restore {orbax_restore[0] * 1e3:.1f} ms "
+            f"({report['orbax_restore_x_numpy']:.2f}x np.load)"
         )
 
 
