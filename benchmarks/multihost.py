@@ -63,7 +63,7 @@ def worker(pid: int, port: str, quick: bool, out: str) -> None:
             single.add_many([p for r in range(4) for p in parts_of(r, step)])
         for name, c in (("multi", multi), ("single", single)):
             t0 = time.perf_counter()
-            items = c.flush_epoch(0)
+            items = c.flush(0)
             jax.block_until_ready([mb for _, mb in items])
             times[name].append(time.perf_counter() - t0)
     med = {k: statistics.median(v[1:]) * 1e3 for k, v in times.items()}

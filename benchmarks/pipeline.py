@@ -53,15 +53,15 @@ def main():
             parts.append(p.replace(source=p.source.replace(key=key)))
     c = jaxtraj.TrajectoryCollector(plan, *examples(parts), auto_flush=False)
     c.add_many(parts)
-    assert c.epochs_ready() == [0]
-    state = jax.block_until_ready(c.states[0])
+    assert c.ready() == [0]
+    state = jax.block_until_ready(jax.device_put(c.states[0]))
     flush = jaxtraj.pipeline.make_flush(plan)
-    rng = jax.random.PRNGKey(0)
+    mode_state = jaxtraj.pipeline.init(plan, jax.random.PRNGKey(0))
 
     t0 = time.perf_counter()
     compiled = (
-        jax.jit(lambda st, e, k: jaxtraj.pipeline.flush(plan, st, e, k), donate_argnums=0)
-        .lower(state, 0, rng)
+        jax.jit(lambda st, m, e: jaxtraj.pipeline.flush(plan, st, m, e), donate_argnums=0)
+        .lower(state, mode_state, 0)
         .compile()
     )
     compile_s = time.perf_counter() - t0
@@ -70,10 +70,9 @@ def main():
     times = []
     for i in range(repeats + 1):
         state = jax.tree.map(lambda x: x.copy(), state) if i == 0 else state
-        state = state.replace(epochs_flushed=state.epochs_flushed & False)
         jax.block_until_ready(state)
         t0 = time.perf_counter()
-        state, batches = flush(state, 0, rng)
+        batches, state, _ = flush(state, mode_state, 0)  # the same epoch again each time
         jax.block_until_ready(batches)
         times.append(time.perf_counter() - t0)
     flush_ms = statistics.median(times[1:]) * 1e3

@@ -87,7 +87,7 @@ def bench(B: int, T: int, K: int, repeats: int) -> dict:
     stacked = jax.jit(
         lambda c, p: sync.rollout_stacked(plan, env, env_params, policy_fn, value_fn, c, p)
     )
-    flush = jax.jit(jaxtraj.flush, static_argnums=0, donate_argnums=1)
+    flush = jax.jit(jaxtraj.rollout.flush, static_argnums=0, donate_argnums=1)
 
     t0 = time.perf_counter()
     collect_c = collect.lower(state, carry, params).compile()
@@ -98,7 +98,7 @@ def bench(B: int, T: int, K: int, repeats: int) -> dict:
 
     # Warm up (first touch of every buffer), then interleave the two.
     state, _ = collect_c(state, carry, params)
-    state, traj = flush(plan, state)
+    traj, state = flush(plan, state)
     jax.block_until_ready((stacked_c(carry, params), traj))
     t_collect, t_stacked, t_flush = [], [], []
     for i in range(repeats):

@@ -23,7 +23,7 @@ from collect_rollout import OBS, A, K, env_reset, run_chunk
 
 import jaxtraj
 from jaxtraj import TrajectoryKey
-from jaxtraj.lerobot_writer import LeRobotWriter
+from jaxtraj.lerobot import LeRobotWriter
 
 
 def step_halves(params, env_state, flags, rng, *, step, T):
@@ -70,7 +70,7 @@ def main():
             )
         random.Random(step).shuffle(halves)  # asynchronous arrival
         written = [ep for part in halves for _, eps in collector.add(part) for _, ep in eps]
-        running = collector.episodes_in_progress()
+        running = np.asarray(collector.mode_states[0].length)  # frames per env
         print(
             f"step {step}: {len(written)} episodes written "
             f"({sum(len(ep['action']) for ep in written)} frames); "

@@ -32,7 +32,6 @@ import optax
 
 import jaxtraj
 from jaxtraj import PolicyOutput, TrajectoryPlan
-from jaxtraj.pipeline import make_flush
 from jaxtraj.runners import sync
 
 LOG_2PI = float(np.log(2 * np.pi))
@@ -198,7 +197,9 @@ def run(cfg: Config, *, progress: bool = True, log=print) -> dict[str, Any]:
     state = jaxtraj.init(plan, policy_ex, env_ex, sources=[[0, 0]])
     carry = sync.reset(env, env_params, k_env, B, K)
     collect = sync.make_collect(plan, env, env_params, policy_fn, value_fn)
-    flush = make_flush(plan)
+    flush = jaxtraj.pipeline.make_flush(plan)
+    rng, k_shuffle = jax.random.split(rng)
+    pipe = jaxtraj.pipeline.init(plan, k_shuffle)  # shuffle key, epochs flushed
     train = make_train(cfg, log_prob, value_fn, optimizer)
     # Baseline for the insert cost: the same rollout, parts only stacked (no collector).
     stacked = jax.jit(
@@ -222,9 +223,9 @@ def run(cfg: Config, *, progress: bool = True, log=print) -> dict[str, Any]:
         jax.block_until_ready(state)
         t1 = time.perf_counter()
         running, total, count = episode_stats(state, running)
-        rng, k_flush, k_train = jax.random.split(rng, 3)
+        rng, k_train = jax.random.split(rng)
         t2 = time.perf_counter()
-        state, batches = flush(state, 0, k_flush)
+        batches, state, pipe = flush(state, pipe, 0)
         jax.block_until_ready(batches)
         t3 = time.perf_counter()
         params, opt_state, pg, vl = train(params, opt_state, batches, k_train)

@@ -45,10 +45,10 @@ def main():
     )
     carry = sync.reset(env, env_params, rng, B, K)
     collect = sync.make_collect(plan, env, env_params, policy_fn, value_fn)
-    flush = jax.jit(jaxtraj.flush, static_argnums=0, donate_argnums=1)
+    flush = jax.jit(jaxtraj.rollout.flush, static_argnums=0, donate_argnums=1)
     for _ in range(3):
         state, carry = collect(state, carry, params)  # one compiled call per training step
-        state, traj = flush(plan, state)
+        traj, state = flush(plan, state)
         jaxtraj.raise_if_error(state)
         print(
             f"step {int(traj.step_id)}: actions {tuple(traj.actions.shape)}, rewards "

@@ -1,10 +1,14 @@
 """jaxtraj: a JAX-native trajectory collector for embodied reinforcement learning.
 
 Join the two halves of every action chunk by key, accumulate them in fixed-capacity
-device buffers, and flush Actor-ready trajectories.
+device buffers, and flush Actor-ready output: trajectories (:mod:`jaxtraj.rollout`),
+advantage-ready micro-batches per Actor rank (:mod:`jaxtraj.pipeline`), or episodes
+written as a LeRobot dataset (:mod:`jaxtraj.lerobot`).
+
+Internal modules (``checks``, ``storage``, ``_forwarding``) may change without notice.
 """
 
-from jaxtraj.accumulator import TrajectoryAccumulator, materialize
+from jaxtraj import lerobot
 from jaxtraj.advantages import (
     discounted_returns,
     gae,
@@ -14,20 +18,17 @@ from jaxtraj.advantages import (
 )
 from jaxtraj.collector import TrajectoryCollector, stack_parts
 from jaxtraj.errors import CollectorError, ErrorCode, raise_if_error
-from jaxtraj.joiner import (
-    ChunkJoiner,
+from jaxtraj.joiner import add_env, add_envs, add_policies, add_policy
+from jaxtraj.modes import pipeline, rollout
+from jaxtraj.modes.pipeline import MicroBatches
+from jaxtraj.plan import TrajectoryPlan
+from jaxtraj.state import (
     CollectorState,
-    add_env,
-    add_envs,
-    add_policies,
-    add_policy,
     init,
+    materialize,
     slot_complete,
     source_complete,
 )
-from jaxtraj.pipeline import MicroBatches
-from jaxtraj.plan import TrajectoryPlan
-from jaxtraj.rollout import flush, ready
 from jaxtraj.targets import Targets, trajectory_targets
 from jaxtraj.types import (
     EnvPart,
@@ -44,7 +45,6 @@ from jaxtraj.types import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "ChunkJoiner",
     "CollectorError",
     "CollectorState",
     "EnvPart",
@@ -54,28 +54,28 @@ __all__ = [
     "PolicyInput",
     "PolicyOutput",
     "PolicyPart",
+    "Targets",
     "Trajectory",
-    "TrajectoryAccumulator",
     "TrajectoryCollector",
     "TrajectoryKey",
     "TrajectoryPlan",
     "TrajectorySource",
-    "Targets",
     "TrajectoryStep",
     "add_env",
     "add_envs",
     "add_policies",
     "add_policy",
     "discounted_returns",
-    "flush",
     "gae",
     "gae_from_next_values",
     "group_advantages",
     "init",
+    "lerobot",
     "materialize",
     "normalize_advantages",
+    "pipeline",
     "raise_if_error",
-    "ready",
+    "rollout",
     "slot_complete",
     "source_complete",
     "stack_parts",

@@ -1,7 +1,7 @@
 """Error codes recorded by the pure functions and the exception the facade raises.
 
 Under ``jit`` nothing can raise on a traced value, so the pure functions of
-:mod:`jaxtraj.joiner` and :mod:`jaxtraj.rollout` leave the state's data untouched
+:mod:`jaxtraj.joiner` and :mod:`jaxtraj.modes` leave the state's data untouched
 for an offending part and record an :class:`ErrorCode` (the first one wins) with
 the offending key in the state. :func:`raise_if_error` turns that record into a
 :class:`CollectorError` on the host; the facade raises the same error before it

@@ -25,6 +25,7 @@ import numpy as np
 from flax import struct
 
 from jaxtraj.errors import CollectorError, ErrorCode
+from jaxtraj.plan import TrajectoryPlan
 
 Array = Any
 PyTree = Any
@@ -91,6 +92,43 @@ def rows_of(payload: PyTree) -> int:
     if len(sizes) != 1:
         raise ValueError(f"payload leaves disagree on their leading (row) size: {sorted(sizes)}")
     return sizes.pop()
+
+
+_PER_ACTION = ("rewards", "terminations", "truncations", "dones", "reward_model_output")
+
+
+def chunk_size(actions: Any, transition: Any, start: int = 1, key: Any = None) -> int:
+    """``K``, actions per chunk, as the action chunk states it.
+
+    ``actions`` per row is ``[K, A, ...]`` (``K`` is its first axis) or flat
+    ``[K*A]``; then ``K`` comes from the action-level fields of ``transition``
+    (rewards, flags ``[.., K]``, ``intervene_flags``), else it is 1. Every
+    action-level field must agree with it.
+
+    Args:
+      actions: the actions leaf; per-row axes start at axis ``start``.
+      transition: an :class:`EnvTransition` with the same leading axes, or ``None``.
+
+    Raises:
+      CollectorError: ``STRUCTURE_MISMATCH`` naming the field whose ``K`` differs.
+    """
+    shape = np.shape(actions)
+    k = shape[start] if len(shape) >= start + 2 else None
+    fields = [(n, getattr(transition, n, None)) for n in _PER_ACTION + ("intervene_flags",)]
+    for name, x in fields:
+        if x is None or (name != "intervene_flags" and len(np.shape(x)) <= start):
+            continue
+        k_x = np.shape(x)[start] if len(np.shape(x)) > start else 1
+        if k is None:
+            k = k_x
+        elif k_x != k:
+            raise CollectorError(
+                key,
+                ErrorCode.STRUCTURE_MISMATCH,
+                f"EnvTransition.{name} has {k_x} actions per chunk, the action chunk "
+                f"{tuple(shape[start:])} has {k}",
+            )
+    return 1 if k is None else int(k)
 
 
 class _Fragmentable:
@@ -194,13 +232,30 @@ class EnvTransition:
     intervene_flags: Array | None = None
     reward_model_output: Array | None = None
 
-    def resolved_dones(self) -> Array | None:
-        """``dones`` if given, else ``terminations | truncations`` (``None`` if neither)."""
+    def resolved_dones(self, xp: Any = jnp) -> Array | None:
+        """``dones`` if given, else ``terminations | truncations`` (``None`` if neither).
+
+        ``xp`` is the array namespace (``jax.numpy`` or ``numpy`` for host checks).
+        """
         if self.dones is not None:
             return self.dones
         if self.terminations is not None and self.truncations is not None:
-            return jnp.logical_or(self.terminations, self.truncations)
+            return xp.logical_or(self.terminations, self.truncations)
         return self.terminations if self.terminations is not None else self.truncations
+
+    def cut_flags(self, bootstrap: str, xp: Any = jnp) -> Array | None:
+        """The flags of actions whose reward takes the bootstrap value ``gamma * V(final
+        obs)``: ``truncations`` under ``"truncated"``, any done under ``"done"``, none
+        under ``"none"``; ``None`` where the transition carries no such flags.
+
+        The one statement of which flags cut an episode: reward composition and the
+        collector's checks both read it.
+        """
+        if bootstrap == "truncated":
+            return self.truncations
+        if bootstrap == "done":
+            return self.resolved_dones(xp)
+        return None
 
     def boundary(self) -> EnvTransition:
         """Only the boundary flags, as ``initial_transition`` stores them."""
@@ -241,7 +296,7 @@ class EnvTransition:
             rewards = rewards + reward_model_weight * jnp.asarray(
                 self.reward_model_output, jnp.result_type(rewards)
             )
-        cut = {"truncated": self.truncations, "done": self.resolved_dones()}.get(bootstrap)
+        cut = self.cut_flags(bootstrap)
         if final_values is None or cut is None:
             return rewards
         values = jnp.asarray(final_values, rewards.dtype)  # [..., B] or [..., B, 1]
@@ -316,13 +371,16 @@ class TrajectoryStep:
     next_rlt_obs: PyTree | None = None
 
     @classmethod
-    def from_parts(cls, policy: PolicyPart, env: EnvPart, plan: Any = None) -> TrajectoryStep:
+    def from_parts(
+        cls, policy: PolicyPart, env: EnvPart, plan: TrajectoryPlan | None = None
+    ) -> TrajectoryStep:
         """Resolve one joined pair (or a buffer of pairs) into a step.
 
         Rewards come from ``EnvTransition.compute_rewards`` with the plan's weights,
         ``gamma`` and ``truncation_bootstrap`` (defaults without a plan); executed human
         actions replace the policy's through :meth:`apply_interventions`.
         """
+        plan = plan if plan is not None else TrajectoryPlan(num_chunks=1)  # its defaults
         out, tr = policy.output, env.transition
         step = cls(
             obs=policy.obs,
@@ -334,10 +392,10 @@ class TrajectoryStep:
             bootstrap_values=out.bootstrap_values,
             rewards=tr.compute_rewards(
                 env.final_values,
-                env_reward_weight=getattr(plan, "env_reward_weight", 1.0),
-                reward_model_weight=getattr(plan, "reward_model_weight", 1.0),
-                gamma=getattr(plan, "gamma", 0.99),
-                bootstrap=getattr(plan, "truncation_bootstrap", "truncated"),
+                env_reward_weight=plan.env_reward_weight,
+                reward_model_weight=plan.reward_model_weight,
+                gamma=plan.gamma,
+                bootstrap=plan.truncation_bootstrap,
             ),
             dones=tr.resolved_dones(),
             terminations=tr.terminations,
@@ -345,9 +403,9 @@ class TrajectoryStep:
             final_values=env.final_values,
             next_obs=env.next_obs,
             rlt_obs=rlt_features(out.forward_inputs)
-            if getattr(plan, "enable_rlt", False)
+            if plan.enable_rlt
             else None,
-            next_rlt_obs=env.next_rlt_obs if getattr(plan, "enable_rlt", False) else None,
+            next_rlt_obs=env.next_rlt_obs if plan.enable_rlt else None,
         )
         if tr.intervene_actions is not None:
             step = step.apply_interventions(tr.intervene_actions, tr.intervene_flags)

@@ -25,9 +25,9 @@ parts = [p for r in range(4) for p in all_parts(r)]
 order = np.random.default_rng(0).permutation(len(parts))
 
 
-def run(mesh):
+def run(mesh, storage="host"):
     c = jaxtraj.TrajectoryCollector(
-        plan, policy_part(0), env_part(0), rng=jax.random.PRNGKey(7), mesh=mesh
+        plan, policy_part(0), env_part(0), rng=jax.random.PRNGKey(7), mesh=mesh, storage=storage
     )
     out = c.add_many([parts[i] for i in order])
     return c, out
@@ -36,10 +36,13 @@ def run(mesh):
 mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("sources", "actor"))
 single_c, single = run(None)
 sharded_c, sharded = run(mesh)
-state_spec = sharded_c.states[0].policy.obs["image"].sharding.spec
+on_device_c, on_device = run(mesh, "device")  # jitted inserts into the sharded state
+state_spec = on_device_c.states[0].policy.obs["image"].sharding.spec
 assert state_spec[0] == "sources", state_spec
-assert len(single) == len(sharded) == plan.num_epochs * plan.actor_ranks
-for (k1, a), (k2, b) in zip(single, sharded):
+assert len(single) == len(sharded) == len(on_device) == plan.num_epochs * plan.actor_ranks
+for (k1, a), (k2, b), (k3, d) in zip(single, sharded, on_device):
+    assert k1 == k3
+    jax.tree.map(np.testing.assert_array_equal, b, d)
     assert k1 == k2
     for name in (
         "obs",
@@ -62,7 +65,8 @@ for epoch in range(plan.num_epochs):
 c = jaxtraj.TrajectoryCollector(plan, policy_part(0), env_part(0), mesh=mesh, auto_flush=False)
 c.add_many(parts)
 flush = jaxtraj.pipeline.make_flush(plan, mesh)
-state, batches = flush(c.states[0], 0, jax.random.PRNGKey(0))
+state = jaxtraj.pipeline.shard_state(jax.device_put(c.states[0]), mesh)
+batches, state, _ = flush(state, jaxtraj.pipeline.init(plan, jax.random.PRNGKey(0)), 0)
 for leaf in jax.tree.leaves(batches):
     assert leaf.sharding.spec[0] == "actor", leaf.sharding
     assert leaf.shape[0] == plan.actor_ranks

@@ -209,12 +209,12 @@ def test_flush_of_incomplete_scope():
     for p in rest:
         assert c.add(p) == []
     assert c.ready() == [(0, 0)]
-    assert_same(c.flush(0, 0)[1], reference(step=STEP))
+    assert_same(c.flush(0, 0)[0][1], reference(step=STEP))
 
 
 _add_policy = jax.jit(jaxtraj.add_policy, static_argnums=0, donate_argnums=1)
 _add_env = jax.jit(jaxtraj.add_env, static_argnums=0, donate_argnums=1)
-_flush = jax.jit(jaxtraj.flush, static_argnums=0, donate_argnums=1)
+_flush = jax.jit(jaxtraj.rollout.flush, static_argnums=0, donate_argnums=1)
 
 
 def _pure_add(state, part):
@@ -247,7 +247,7 @@ def test_jitted_functions_record_error_and_keep_data(name, make, code):
     assert info.value.code == code and info.value.key == bad.source.key.as_tuple()
     for p in rest:
         state = _pure_add(state, p)
-    state, traj = _flush(PLAN, state, 0)
+    traj, state = _flush(PLAN, state, 0)
     assert int(np.sum(state.error_count)) == 1  # nothing else was rejected
     assert_same(traj, reference(step=STEP))
 
@@ -256,7 +256,7 @@ def test_jitted_flush_of_incomplete_scope_records_error():
     state = jaxtraj.init(PLAN, policy_part(0), env_part(0))
     state = _pure_add(state, policy_part(0))
     before = snapshot(state)
-    state, _ = _flush(PLAN, state, 0)
+    _, state = _flush(PLAN, state, 0)
     assert np.asarray(state.error_code).tolist() == [ErrorCode.INCOMPLETE_SCOPE, 0]
     strip = lambda s: s.replace(error_code=0, error_key=0, error_count=0)
     assert_same(strip(snapshot(state)), strip(before))

@@ -86,7 +86,7 @@ def test_episodes_match_reference_across_steps(frame):
     assert set(writer.tasks) == {"pick"}
     # Episodes still running stay on device and continue in the next step.
     frames_per_step = E * T * (K if frame == "action" else 1)
-    running = c.episodes_in_progress()
+    running = np.asarray(c.mode_states[0].length)
     for b in range(B):
         total = 2 * frames_per_step
         assert running[b] == total - sum(len(ep) for ep in want[b])
@@ -111,11 +111,11 @@ def test_overflow_is_an_error_or_a_truncation():
     parts = all_parts()
     for p in parts[:-1]:
         assert c.add(p) == []
-    before = c.episodes_in_progress().copy()
+    before = np.asarray(c.mode_states[0].length).copy()
     with pytest.raises(CollectorError) as info:
         c.add(parts[-1])
     assert info.value.code == ErrorCode.EPISODE_OVERFLOW
-    np.testing.assert_array_equal(c.episodes_in_progress(), before)  # nothing changed
+    np.testing.assert_array_equal(np.asarray(c.mode_states[0].length), before)  # nothing changed
 
     cut = dataclasses.replace(short, episode_overflow="truncate")
     _, items = run(cut, steps=1)

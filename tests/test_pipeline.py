@@ -122,7 +122,7 @@ def test_incomplete_epoch_and_bad_mesh():
     for p in all_parts(0):
         assert c.add(p) == []  # source 1 missing: no epoch is complete
     with pytest.raises(CollectorError, match="incomplete"):
-        c.flush_epoch(0)
+        c.flush(0)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
     with pytest.raises(ValueError, match="'actor' is not an axis"):
         jaxtraj.pipeline.make_flush(PIPE, mesh, source_axis="data")

@@ -133,8 +133,8 @@ def test_trajectory_equals_a_python_loop(five_tuple):
     collect = sync.make_collect(plan, env, env_params, policy_fn, value_fn)
     state, carry2 = collect(state, carry, PARAMS)
     jaxtraj.raise_if_error(state)
-    assert bool(jaxtraj.ready(state))
-    _, traj = jax.jit(jaxtraj.flush, static_argnums=0)(plan, state)
+    assert bool(jaxtraj.rollout.ready(state))
+    traj, _ = jax.jit(jaxtraj.rollout.flush, static_argnums=0)(plan, state)
 
     term, trunc = ref["term"], ref["trunc"]
     if five_tuple:  # no truncation signal: every done is a termination
@@ -173,11 +173,11 @@ def test_one_compiled_call_without_retrace():
 
     env, env_params, plan, state, carry = make()
     collect = sync.make_collect(plan, env, env_params, counted_policy, value_fn)
-    flush = jax.jit(jaxtraj.flush, static_argnums=0, donate_argnums=1)
+    flush = jax.jit(jaxtraj.rollout.flush, static_argnums=0, donate_argnums=1)
     steps = []
     for _ in range(3):
         state, carry = collect(state, carry, PARAMS)
-        state, traj = flush(plan, state)
+        traj, state = flush(plan, state)
         steps.append(int(traj.step_id))
     jaxtraj.raise_if_error(state)
     assert steps == [0, 1, 2]  # the keys follow the collector's step
@@ -207,7 +207,7 @@ def test_stacked_state_and_rollout_stacked_agree():
     )
     state, _ = fn(state, carry)
     jaxtraj.raise_if_error(state)
-    np.testing.assert_array_equal(jaxtraj.ready(state), [False, True])
+    np.testing.assert_array_equal(jaxtraj.rollout.ready(state), [False, True])
     first, rest, _ = jax.jit(
         lambda c: sync.rollout_stacked(plan, env, env_params, policy_fn, value_fn, c, PARAMS)
     )(carry)
@@ -239,7 +239,7 @@ def test_gymnax_pendulum_truncates_with_bootstrap():
         carry = sync.reset(env, env_params, jax.random.PRNGKey(0), 3, k)
         state, _ = sync.make_collect(plan, env, env_params, pol, val)(state, carry, None)
         jaxtraj.raise_if_error(state)
-        _, traj = jaxtraj.flush(plan, state)
+        traj, _ = jaxtraj.rollout.flush(plan, state)
     trunc = np.asarray(traj.truncations[0, 1:])  # [T, B, K]
     assert not np.asarray(traj.terminations).any()
     # 16 steps, limit 6: truncated after steps 6 and 12 (chunk 1 action 1, chunk 2 action 3).

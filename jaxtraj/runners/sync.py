@@ -43,9 +43,9 @@ import numpy as np
 from flax import struct
 from jax import lax
 
-from jaxtraj import joiner, slots
-from jaxtraj.joiner import CollectorState
+from jaxtraj import checks, joiner
 from jaxtraj.plan import TrajectoryPlan
+from jaxtraj.state import CollectorState
 from jaxtraj.types import (
     EnvPart,
     EnvTransition,
@@ -177,7 +177,7 @@ def _key(step_id, epoch, env_rank, stage_id, chunk) -> TrajectoryKey:
 def _step_id(state: CollectorState, env_rank, stage_id) -> jax.Array:
     if not state.stacked:
         return state.step
-    return state.step[slots.locate(jnp, state.sources, env_rank, stage_id)[1]]
+    return state.step[checks.locate(jnp, state.sources, env_rank, stage_id)[1]]
 
 
 def collect(

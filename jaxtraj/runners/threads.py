@@ -38,7 +38,7 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
-from jaxtraj import joiner, slots
+from jaxtraj import checks
 from jaxtraj.collector import TrajectoryCollector
 from jaxtraj.errors import CollectorError, ErrorCode
 from jaxtraj.types import (
@@ -120,10 +120,6 @@ class _Stopped(Exception):
     """Raised inside a worker when another thread asked everyone to stop."""
 
 
-def _spec(tree: PyTree) -> PyTree:
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), tree)
-
-
 class AsyncRunner:
     """Environment workers and a policy worker in host threads, one consumer feeding the
     collector.
@@ -151,6 +147,8 @@ class AsyncRunner:
                              num_steps=3, on_flush=lambda q, traj: actor_queue.put(traj))
         runner.run()                      # blocks; update_policy() from another thread
     """
+
+    max_batch: int = 1  # requests one policy call serves (DecoupledRunner batches)
 
     pipelined = False  # DecoupledRunner: request the next chunk before stepping this one
 
@@ -190,10 +188,9 @@ class AsyncRunner:
         self.max_qsize = {"requests": 0, "parts": 0, "replies": 0}
         self.delivered = 0
         # The buffers' layout (shapes only), to check each half in its own worker.
-        self._layout = _spec(collector.states[0])
-        self._lead = self._layout.policy_rows.ndim - 1
+        self._layout = collector.layout
+        self._lead = self._layout.lead
         self._stamp = self._layout.policy.output.versions is not None
-        self._checked: set = set()
 
     # -- public ----------------------------------------------------------------------
 
@@ -326,18 +323,10 @@ class AsyncRunner:
 
     def _check(self, part: Any, key: TrajectoryKey) -> None:
         """Structure check of a half in its producer's thread (cached by signature)."""
-        leaves, treedef = jax.tree.flatten(part.replace(source=None))
-        sig = (type(part), treedef, tuple((np.shape(x), np.asarray(x).dtype) for x in leaves))
-        if sig in self._checked:
-            return
-        if isinstance(part, PolicyPart):
-            joiner.policy_structure(self._layout, part, key.as_tuple())
-        else:
-            joiner.env_structure(self._layout, part, key.as_tuple())
-        self._checked.add(sig)
+        self.collector.check_structure(part)
 
     def _check_obs(self, obs: PyTree, key: TrajectoryKey) -> None:
-        rows = slots.check_payload(
+        rows = checks.check_payload(
             "observation", obs, self._layout.policy.obs, self._lead, key.as_tuple()
         )
         if rows != self.plan.batch_size:
@@ -390,7 +379,7 @@ class AsyncRunner:
 
     def _policy_worker(self, count: int, ctx: dict) -> None:
         rand = random.Random(self.seed * 7919)
-        max_batch = getattr(self, "max_batch", 1)
+        max_batch = self.max_batch
         served = 0
         while served < count:
             batch = [self._get(self._requests)]

@@ -24,20 +24,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxtraj import advantages as adv_lib
-from jaxtraj import joiner
-from jaxtraj.accumulator import materialize
 from jaxtraj.errors import ErrorCode
-from jaxtraj.joiner import CollectorState
 from jaxtraj.plan import TrajectoryPlan
+from jaxtraj.state import CollectorState, materialize, record_error, slot_complete
 from jaxtraj.targets import trajectory_targets
 from jaxtraj.types import Trajectory, TrajectoryKey
 
@@ -68,6 +67,24 @@ class MicroBatches:
     extras: dict
 
 
+@struct.dataclass
+class PipelineState:
+    """Pipeline mode's own state: the shuffle key and the epochs flushed this step.
+
+    Epoch ``e`` of step ``k`` is shuffled with ``fold_in(fold_in(rng, k), e)``, so the
+    output does not depend on the order in which epochs complete.
+    """
+
+    rng: jax.Array
+    flushed: jax.Array  # [E] bool
+
+
+def init(plan: TrajectoryPlan, rng: jax.Array | None = None) -> PipelineState:
+    """Pipeline mode's state: ``rng`` (default ``PRNGKey(0)``), nothing flushed."""
+    rng = jax.random.PRNGKey(0) if rng is None else rng
+    return PipelineState(rng=rng, flushed=jnp.zeros((plan.num_epochs,), bool))
+
+
 _BASE_FIELDS = {f.name for f in dataclasses.fields(Trajectory)}
 
 
@@ -78,12 +95,11 @@ def packing(plan: TrajectoryPlan, num_samples: int) -> tuple[int, int]:
     return math.ceil(num_samples / (R * M)), M
 
 
-def ready(state: CollectorState, epoch: Any) -> jax.Array:
-    """Whether ``epoch`` of the current step is complete across every source and not
+def ready(state: CollectorState, mode_state: PipelineState) -> jax.Array:
+    """``[E]`` bool: epochs of the current step complete across every source and not
     yet flushed."""
     st = _stacked(state)
-    complete = jnp.all(joiner.slot_complete(st)[:, epoch])
-    return complete & ~jnp.any(st.epochs_flushed[:, epoch])
+    return jnp.all(slot_complete(st), axis=(0, 2)) & ~mode_state.flushed
 
 
 def _stacked(state: CollectorState) -> CollectorState:
@@ -93,28 +109,29 @@ def _stacked(state: CollectorState) -> CollectorState:
 def flush(
     plan: TrajectoryPlan,
     state: CollectorState,
+    mode_state: PipelineState,
     epoch: Any,
-    rng: jax.Array,
     current_version: Any = 0,
-) -> tuple[CollectorState, MicroBatches]:
+) -> tuple[MicroBatches, CollectorState, PipelineState]:
     """Flush one epoch of every source as micro-batches per Actor rank.
 
     Args:
       plan: the static plan (``actor_ranks``, ``micro_batch_size``, advantage settings).
       state: the stacked collector state (donate it).
+      mode_state: the :class:`PipelineState` (shuffle key, epochs flushed).
       epoch: the epoch to flush (int or traced int32).
-      rng: PRNG key for the shuffle.
       current_version: the policy version now training; with ``plan.max_staleness``
         set, older samples get a false ``loss_mask``.
 
     Returns:
-      ``(state, micro_batches)``. An incomplete or already flushed epoch records
-      ``INCOMPLETE_SCOPE`` and changes nothing else; discard the micro-batches.
+      ``(micro_batches, state, mode_state)``. An incomplete or already flushed epoch
+      records ``INCOMPLETE_SCOPE`` and changes nothing else; discard the micro-batches.
     """
     single = not state.stacked
     state = _stacked(state)
     e = jnp.asarray(epoch, jnp.int32)
-    ok = ready(state, e)
+    ok = ready(state, mode_state)[e]
+    rng = jax.random.fold_in(jax.random.fold_in(mode_state.rng, state.step[0]), e)
     # Materialise every epoch without slicing: the per-chunk fields are the buffers
     # themselves, so the only copy of the big fields is the final gather.
     trajs = jax.vmap(lambda st: materialize(plan, st))(state)  # [S, E, T(+1), B, ...]
@@ -171,11 +188,10 @@ def flush(
         epoch_id=per_rank(e),
     )
 
-    flushed = state.epochs_flushed.at[:, e].set(state.epochs_flushed[:, e] | ok)
+    flushed = mode_state.flushed.at[e].set(mode_state.flushed[e] | ok)
     step_done = jnp.all(flushed)
     keep = lambda rows: jnp.where(step_done, False, rows)
     new = state.replace(
-        epochs_flushed=keep(flushed),
         policy_rows=keep(state.policy_rows),
         env_rows=keep(state.env_rows),
         next_obs_given=None if state.next_obs_given is None else keep(state.next_obs_given),
@@ -184,10 +200,10 @@ def flush(
     )
     key = TrajectoryKey(state.step[0], e, -1, -1, -1)
     code = jnp.where(ok, 0, int(ErrorCode.INCOMPLETE_SCOPE)).astype(jnp.int32)
-    new = joiner.record_error(new, code, key, 0)
+    new = record_error(new, code, key, 0)
     if single:
         new = jax.tree.map(lambda x: x[0], new)
-    return new, batches
+    return batches, new, mode_state.replace(flushed=keep(flushed))
 
 
 def make_flush(
@@ -196,8 +212,10 @@ def make_flush(
     *,
     source_axis: str = "sources",
     actor_axis: str = "actor",
+    donate: bool = True,
 ):
-    """The jitted pipeline flush ``(state, epoch, rng, current_version=0) -> (state, batches)``.
+    """The jitted pipeline flush
+    ``(state, mode_state, epoch, current_version=0) -> (batches, state, mode_state)``.
 
     Without a mesh: ``jax.jit`` with the state donated. With one: the state's sources
     are sharded over ``source_axis`` (place it with :func:`shard_state`) and every
@@ -209,7 +227,7 @@ def make_flush(
     """
     fn = functools.partial(flush, plan)
     if mesh is None:
-        return jax.jit(fn, donate_argnums=0)
+        return jax.jit(fn, donate_argnums=0 if donate else ())
     for name, axis in (("source_axis", source_axis), ("actor_axis", actor_axis)):
         if axis not in mesh.axis_names:
             raise ValueError(f"{name}={axis!r} is not an axis of the mesh {dict(mesh.shape)}")
@@ -219,8 +237,8 @@ def make_flush(
             f"{actor_axis!r} of size {mesh.shape[actor_axis]}"
         )
     state_sharding = NamedSharding(mesh, P(source_axis))
-    out = (state_sharding, NamedSharding(mesh, P(actor_axis)))
-    return jax.jit(fn, donate_argnums=0, out_shardings=out)
+    out = (NamedSharding(mesh, P(actor_axis)), state_sharding, NamedSharding(mesh, P()))
+    return jax.jit(fn, donate_argnums=0 if donate else (), out_shardings=out)
 
 
 def shard_state(state: CollectorState, mesh: Mesh, source_axis: str = "sources") -> CollectorState:
@@ -257,3 +275,101 @@ def global_state(local: CollectorState, mesh: Mesh, source_axis: str = "sources"
 def local_state(state: CollectorState) -> CollectorState:
     """Multi-host: this process's sources of a global state, as local arrays."""
     return jax.tree.map(lambda x: jax.device_put(x.addressable_shards[0].data), state)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pipeline:
+    """Pipeline mode in the common form of :mod:`jaxtraj.modes`; scopes are epochs.
+
+    Args:
+      plan: the plan.
+      rng: the shuffle key (default ``PRNGKey(0)``).
+      mesh, source_axis, actor_axis: several devices: sources sharded over
+        ``source_axis``, micro-batches over ``actor_axis``. With several processes
+        (``jax.distributed``) each process's collector holds its own sources, and every
+        process flushes each epoch together, in the same order.
+    """
+
+    plan: TrajectoryPlan
+    rng: Any = None
+    mesh: Mesh | None = None
+    source_axis: str = "sources"
+    actor_axis: str = "actor"
+    stacked: ClassVar[bool] = True
+
+    @property
+    def multihost(self) -> bool:
+        return self.mesh is not None and jax.process_count() > 1
+
+    # -- pure ---------------------------------------------------------------------------
+
+    def init(self, state: CollectorState) -> PipelineState:
+        return init(self.plan, self.rng)
+
+    def ready(self, state: CollectorState, mode_state: PipelineState) -> jax.Array:
+        return ready(state, mode_state)
+
+    def flush(self, state, mode_state, scope, current_version=0):
+        return flush(self.plan, state, mode_state, scope, current_version)
+
+    # -- host ---------------------------------------------------------------------------
+
+    def place(self, state: CollectorState) -> CollectorState:
+        """Where the facade keeps the state: sharded over the mesh on one process."""
+        if self.mesh is not None and not self.multihost:
+            return shard_state(state, self.mesh, self.source_axis)
+        return state
+
+    def scopes(self, mirror) -> list[int]:
+        done = mirror.complete().all(axis=(0, 2)) & ~mirror.flushed
+        return [int(e) for e in np.flatnonzero(done)]
+
+    def state_index(self, scope: int) -> int:
+        return 0
+
+    def scope_name(self, scope: int, mirror) -> int:
+        """The facade names an epoch scope by its epoch."""
+        return scope
+
+    def scope_index(self, name: Any, mirror) -> int | None:
+        e = int(name[0] if isinstance(name, tuple) else name)
+        return e if 0 <= e < self.plan.num_epochs else None
+
+    def describe(self, scope: int, mirror) -> tuple:
+        return (int(mirror.step[0]), int(scope), -1, -1, -1)
+
+    def compiled_flush(self, state, mode_state, scope, current_version, *, owned: bool):
+        fn = _compiled(self.plan, self.mesh, self.source_axis, self.actor_axis, not owned)
+        if self.multihost:
+            state = global_state(state, self.mesh, self.source_axis)
+        batches, state, mode_state = fn(state, mode_state, scope, current_version)
+        if self.multihost:
+            state = local_state(state)
+        return batches, state, mode_state
+
+    def emit(self, items: MicroBatches, scope: int, mirror) -> list[tuple[str, Any]]:
+        """One item per Actor rank this process holds: leaves ``[MB, M, ...]``. On one
+        process, every rank; with several, the ranks whose shards are on its devices."""
+        R = self.plan.actor_ranks
+        if not self.multihost:
+            return [(f"actor_{r}", jax.tree.map(lambda x, r=r: x[r], items)) for r in range(R)]
+        local: dict[int, list] = {}
+        leaves, tree = jax.tree.flatten(items)
+        for i, leaf in enumerate(leaves):
+            for shard in leaf.addressable_shards:
+                first = shard.index[0].start or 0
+                for j in range(shard.data.shape[0]):
+                    local.setdefault(first + j, [None] * len(leaves))[i] = shard.data[j]
+        return [(f"actor_{r}", jax.tree.unflatten(tree, local[r])) for r in sorted(local)]
+
+    def advance(self, scope: int, mirror) -> list[int]:
+        mirror.flushed[scope] = True
+        if not mirror.flushed.all():
+            return []
+        mirror.clear_all()
+        return [0]
+
+
+@functools.cache
+def _compiled(plan, mesh, source_axis, actor_axis, donate):
+    return make_flush(plan, mesh, source_axis=source_axis, actor_axis=actor_axis, donate=donate)

@@ -1,0 +1,444 @@
+"""Every check a half must pass, in one home, for the host and for ``jit``.
+
+A collector owns ``S`` sources, each ``(env_rank, stage_id)``, and keeps for each
+source ``E`` epochs of ``T`` chunk slots of ``B`` rows. A key maps to the slot
+``(s, epoch_id, chunk_id)`` and a fragment to the rows ``[offset, offset + rows)``.
+
+Three kinds of check, each written once:
+
+- structure (:func:`policy_structure`, :func:`env_structure`): the part's tree,
+  trailing shapes and dtypes against the buffers, and ``K`` against the action
+  chunk. Static: it runs at trace time under ``jit`` and once per part signature in
+  the facade (:class:`HostChecks`).
+- key and boundary rules (:func:`key_checks`, :func:`env_checks`): written against an
+  array namespace ``xp``, so the host facade (:class:`py` scalars or ``numpy``
+  stacks, no device sync) and the jitted pure functions (``jax.numpy``, traced keys)
+  reject exactly the same parts, in the same priority order.
+- data (:func:`finite_leaves`): the reward and value leaves ``nonfinite="reject"``
+  checks.
+
+Field semantics are the types': which flags cut an episode is
+``EnvTransition.cut_flags``, ``K`` is :func:`jaxtraj.types.chunk_size`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from jaxtraj.errors import CollectorError, ErrorCode
+from jaxtraj.plan import TrajectoryPlan
+from jaxtraj.types import (
+    EnvPart,
+    EnvTransition,
+    PolicyPart,
+    TrajectoryKey,
+    TrajectorySource,
+    chunk_size,
+)
+
+
+class py:
+    """A plain-Python stand-in for ``xp`` on scalar host values: the facade checks a
+    single part with it, at a fraction of numpy's per-call cost."""
+
+    @staticmethod
+    def where(cond: Any, a: Any, b: Any) -> Any:
+        return a if cond else b
+
+    @staticmethod
+    def asarray(x: Any, dtype: Any = None) -> int:
+        return int(x)
+
+    @staticmethod
+    def logical_not(x: Any) -> bool:
+        return not x
+
+    @staticmethod
+    def logical_or(a: Any, b: Any) -> Any:
+        return np.logical_or(a, b)
+
+
+# -- structure (static) ------------------------------------------------------------------
+
+
+class Layout(NamedTuple):
+    """What a part's structure says: its row count and the optional fields it carries
+    that the buffers retain."""
+
+    rows: int
+    has_initial: bool = False
+    has_final: bool = False
+    has_next: bool = False
+    has_rlt: bool = False
+
+
+def check_payload(name: str, data: Any, buffer: Any, lead: int, key: Any = None) -> int:
+    """Check a payload against its buffer's structure, trailing shapes and dtypes.
+
+    Runs at trace time (shapes are static) so a mismatch raises before anything is
+    compiled or written. A dtype must equal the buffer's: nothing is cast silently
+    (under ``jit`` JAX has already converted inputs to its canonical dtypes, e.g.
+    ``float64`` to ``float32`` without x64). Returns the payload's row count.
+
+    Args:
+      name: field named in the error.
+      data: the payload, leaves ``[rows, ...]``.
+      buffer: its buffer, leaves ``[*lead_axes, B, ...]`` with ``lead`` leading axes
+        before the rows axis.
+      key: the concrete key tuple for the message, when known.
+    """
+    d_leaves, d_def = jax.tree.flatten(data)
+    b_leaves, b_def = jax.tree.flatten(buffer)
+    if d_def != b_def:
+        raise CollectorError(
+            key, ErrorCode.STRUCTURE_MISMATCH, f"{name}: structure {d_def} != plan's {b_def}"
+        )
+    rows = None
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(buffer)[0]]
+    for path, x, b in zip(paths, d_leaves, b_leaves):
+        shape = np.shape(x)
+        want = tuple(b.shape[lead + 1 :])
+        dtype = np.dtype(x.dtype if hasattr(x, "dtype") else np.result_type(x))
+        if len(shape) < 1 or tuple(shape[1:]) != want or dtype != b.dtype:
+            raise CollectorError(
+                key,
+                ErrorCode.STRUCTURE_MISMATCH,
+                f"{name}{path}: got shape {tuple(shape)} dtype {dtype}, "
+                f"plan has [rows, *{list(want)}] dtype {b.dtype}",
+            )
+        if rows is not None and shape[0] != rows:
+            raise CollectorError(
+                key, ErrorCode.STRUCTURE_MISMATCH, f"{name}{path}: {shape[0]} rows, others {rows}"
+            )
+        rows = shape[0]
+    return rows if rows is not None else 0
+
+
+def check_key_dtypes(source: Any, key: Any = None) -> None:
+    """Key fields, ``batch_size`` and ``offset`` must be integers (``chunk_id=1.5`` is
+    not chunk 1)."""
+    for name, v in zip(
+        ("step_id", "epoch_id", "env_rank", "stage_id", "chunk_id", "batch_size", "offset"),
+        (*source.key.fields(), source.batch_size, source.offset),
+    ):
+        dtype = np.dtype(v.dtype) if hasattr(v, "dtype") else np.result_type(type(v))
+        if not (np.issubdtype(dtype, np.integer) and dtype != np.bool_):
+            raise CollectorError(
+                key, ErrorCode.STRUCTURE_MISMATCH, f"source.{name} must be an integer, got {v!r}"
+            )
+
+
+def policy_structure(state: Any, part: PolicyPart, key: Any = None) -> Layout:
+    """Check a policy half against the buffers of ``state`` (shapes only are read)."""
+    if not isinstance(part, PolicyPart):
+        raise CollectorError(key, ErrorCode.STRUCTURE_MISMATCH, f"not a PolicyPart: {type(part)}")
+    check_key_dtypes(part.source, key)
+    rows = check_payload("PolicyPart", part.replace(source=None), state.policy, state.lead, key)
+    return Layout(rows)
+
+
+def env_structure(state: Any, part: EnvPart, key: Any = None) -> Layout:
+    """Check an env half against the buffers of ``state`` (shapes only are read):
+    its payload, the optional boundary fields it carries, and its interventions and
+    action-level fields against the action chunk's ``K``."""
+    if not isinstance(part, EnvPart):
+        raise CollectorError(key, ErrorCode.STRUCTURE_MISMATCH, f"not an EnvPart: {type(part)}")
+    check_key_dtypes(part.source, key)
+    lead, layout = state.lead, state.env
+    optional = dict(initial_transition=None, final_values=None, next_obs=None, next_rlt_obs=None)
+    payload = part.replace(source=None, **optional)
+    rows = check_payload("EnvPart", payload, layout.replace(**optional), lead, key)
+    _check_interventions(state, part.transition, key)
+    has_final = part.final_values is not None
+    if has_final:
+        if layout.final_values is None:
+            raise CollectorError(
+                key,
+                ErrorCode.STRUCTURE_MISMATCH,
+                "EnvPart.final_values given, but the plan's examples carry no values",
+            )
+        check_payload("EnvPart.final_values", part.final_values, layout.final_values, lead, key)
+    # A next_obs override is part of the contract; it is only retained with collect_transitions.
+    has_next = part.next_obs is not None and layout.next_obs is not None
+    if has_next:
+        check_payload("EnvPart.next_obs", part.next_obs, layout.next_obs, lead, key)
+    has_rlt = part.next_rlt_obs is not None and layout.next_rlt_obs is not None
+    if has_rlt:
+        check_payload("EnvPart.next_rlt_obs", part.next_rlt_obs, layout.next_rlt_obs, lead, key)
+    has_initial = part.initial_transition is not None
+    if has_initial:
+        check_payload(
+            "EnvPart.initial_transition",
+            part.initial_transition.boundary(),
+            state.initial,
+            lead - 1,
+            key,
+        )
+    return Layout(rows, has_initial, has_final, has_next, has_rlt)
+
+
+def _check_interventions(state: Any, tr: EnvTransition, key: Any) -> None:
+    """Interventions must fit the action chunk: ``intervene_actions`` as many elements per
+    row as the policy's actions, ``intervene_flags`` boolean ``[rows, K]``; every
+    action-level field has the chunk's ``K``."""
+    actions = state.policy.output.actions
+    per_row = int(np.prod(actions.shape[state.lead + 1 :]))
+    if tr.intervene_actions is not None:
+        shape = np.shape(tr.intervene_actions)
+        if int(np.prod(shape[1:])) != per_row:
+            raise CollectorError(
+                key,
+                ErrorCode.STRUCTURE_MISMATCH,
+                f"EnvTransition.intervene_actions: shape {tuple(shape)} does not match the "
+                f"action chunk {tuple(actions.shape[state.lead + 1 :])} per row",
+            )
+        if tr.intervene_flags is None:
+            raise CollectorError(
+                key, ErrorCode.STRUCTURE_MISMATCH, "intervene_actions without intervene_flags"
+            )
+    if tr.intervene_flags is not None:
+        shape = np.shape(tr.intervene_flags)
+        dtype = getattr(tr.intervene_flags, "dtype", None)
+        if dtype != np.bool_ or len(shape) != 2 or per_row % max(shape[1], 1):
+            raise CollectorError(
+                key,
+                ErrorCode.STRUCTURE_MISMATCH,
+                f"EnvTransition.intervene_flags: must be bool [rows, K] with K dividing the "
+                f"{per_row} action elements per row, got {dtype} {tuple(shape)}",
+            )
+    k_state = state.actions_per_chunk
+    per_row_actions = jax.ShapeDtypeStruct((1,) + actions.shape[state.lead + 1 :], actions.dtype)
+    k_part = chunk_size(per_row_actions, tr, 1, key)
+    if k_part != k_state:
+        raise CollectorError(
+            key,
+            ErrorCode.STRUCTURE_MISMATCH,
+            f"the part's action-level fields have {k_part} actions per chunk, the plan's "
+            f"examples {k_state}",
+        )
+
+
+# -- key and boundary rules (xp) ---------------------------------------------------------
+
+
+def locate(xp: Any, sources: Any, env_rank: Any, stage_id: Any) -> tuple[Any, Any]:
+    """``(found, s)``: whether ``(env_rank, stage_id)`` is an owned source, and its index."""
+    match = (sources[:, 0] == env_rank) & (sources[:, 1] == stage_id)
+    return match.any(), xp.argmax(match)
+
+
+def key_checks(
+    xp: Any, plan: TrajectoryPlan, source: TrajectorySource, rows: int, found: Any, step: Any
+) -> list[tuple[Any, ErrorCode]]:
+    """Range, step and row checks of one fragment, in priority order.
+
+    Args:
+      source: the fragment's source (key, batch size, offset).
+      rows: the fragment's row count (static).
+      found: whether the key's source is owned.
+      step: the source's current training step.
+    """
+    key = source.key
+    offset = source.offset
+    return [
+        (xp.logical_not(found), ErrorCode.UNKNOWN_SOURCE),
+        ((key.epoch_id < 0) | (key.epoch_id >= plan.num_epochs), ErrorCode.EPOCH_OUT_OF_RANGE),
+        ((key.chunk_id < 0) | (key.chunk_id >= plan.num_chunks), ErrorCode.CHUNK_OUT_OF_RANGE),
+        (key.step_id < step, ErrorCode.STALE_STEP),
+        (key.step_id > step, ErrorCode.FUTURE_STEP),
+        (source.batch_size != plan.batch_size, ErrorCode.BATCH_SIZE_MISMATCH),
+        ((offset < 0) | (offset + rows > plan.batch_size), ErrorCode.ROWS_OUT_OF_RANGE),
+    ]
+
+
+def first_error(xp: Any, checks: list[tuple[Any, ErrorCode]]) -> Any:
+    """The code of the first failing check, ``ErrorCode.OK`` (0) if none fails."""
+    code = xp.asarray(0, dtype=np.int32)
+    for bad, c in reversed(checks):
+        code = xp.where(bad, xp.asarray(int(c), dtype=np.int32), code)
+    return code
+
+
+def env_checks(
+    xp: Any,
+    plan: TrajectoryPlan,
+    chunk_id: Any,
+    layout: Layout,
+    *,
+    needs_final: bool,
+    cut: Any = False,
+) -> list[tuple[Any, ErrorCode]]:
+    """Boundary rules of an env half: chunk zero's ``initial_transition``, the bootstrap
+    value ``final_values`` on the last chunk and on any chunk that cuts an episode
+    (``cut``: any of ``EnvTransition.cut_flags``), and the last chunk's next state
+    with ``collect_transitions`` (``next_obs``) and ``enable_rlt`` (``next_rlt_obs``)."""
+    last = chunk_id == plan.num_chunks - 1
+    return [
+        ((chunk_id == 0) & (not layout.has_initial), ErrorCode.MISSING_INITIAL_TRANSITION),
+        ((chunk_id != 0) & layout.has_initial, ErrorCode.UNEXPECTED_INITIAL_TRANSITION),
+        ((last | cut) & needs_final & (not layout.has_final), ErrorCode.MISSING_FINAL_VALUES),
+        (last & plan.collect_transitions & (not layout.has_next), ErrorCode.MISSING_NEXT_OBS),
+        (last & plan.enable_rlt & (not layout.has_rlt), ErrorCode.MISSING_NEXT_OBS),
+    ]
+
+
+def cut_any(xp: Any, plan: TrajectoryPlan, part: EnvPart, n: int | None = None) -> Any:
+    """Whether any action of the part (or, stacked, of each of its ``n`` parts) cuts an
+    episode under ``plan.truncation_bootstrap``."""
+    flags = part.transition.cut_flags(plan.truncation_bootstrap, xp)
+    if n is None:
+        return False if flags is None else xp.any(flags)
+    if flags is None:
+        return np.zeros((n,), bool)
+    return np.asarray(flags).reshape(n, -1).any(axis=1)
+
+
+def finite_leaves(part: Any) -> list:
+    """The reward and value leaves that ``nonfinite="reject"`` checks."""
+    if isinstance(part, EnvPart):
+        tr = part.transition
+        return [x for x in (tr.rewards, tr.reward_model_output, part.final_values) if x is not None]
+    out = part.output
+    return [x for x in (out.prev_values, out.bootstrap_values) if x is not None]
+
+
+# -- the host side ---------------------------------------------------------------------
+
+
+class HostChecks:
+    """The facade's checks: the same rules on concrete host values, against a numpy
+    mirror of the coverage masks (no device sync; a rejected part changes nothing).
+
+    Args:
+      plan: the plan.
+      layout: a state (or its ``jax.eval_shape``) with the buffers' shapes, one source.
+      sources: ``[S, 2]`` the owned ``(env_rank, stage_id)`` in source-index order.
+    """
+
+    def __init__(self, plan: TrajectoryPlan, layout: Any, sources: np.ndarray):
+        self.plan, self.layout, self.sources = plan, layout, sources
+        self.index = {(int(r), int(s)): i for i, (r, s) in enumerate(sources)}
+        self.needs_final = layout.policy.output.prev_values is not None
+        self._seen: dict[Any, Layout] = {}  # part signature -> its structure
+
+    def structure(self, part: Any, stacked: bool = False, key: Any = None) -> Layout:
+        """Structure check, cached by the part's signature."""
+        if not isinstance(part, (PolicyPart, EnvPart)):
+            raise CollectorError(key, ErrorCode.STRUCTURE_MISMATCH, f"not a part: {type(part)}")
+        leaves, treedef = jax.tree.flatten(part)
+        sig = (treedef, tuple([(getattr(x, "shape", None), getattr(x, "dtype", type(x)))
+                               for x in leaves]), stacked)
+        found = self._seen.get(sig)
+        if found is None:
+            view = part
+            if stacked:  # check one element of the stack
+                view = jax.tree.map(
+                    lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], np.asarray(x).dtype), part
+                )
+            if isinstance(part, PolicyPart):
+                found = policy_structure(self.layout, view, key)
+            else:
+                found = env_structure(self.layout, view, key)
+            self._seen[sig] = found
+        return found
+
+    def one(self, part: Any, rows_mask: np.ndarray, step: np.ndarray) -> tuple:
+        """Check one part; return ``(s, epoch, chunk, offset, layout)``.
+
+        Args:
+          rows_mask: ``[S, E, T, B]`` the mirror of this half's coverage.
+          step: ``[S]`` the sources' current training steps.
+        Raises:
+          CollectorError: the part is rejected.
+        """
+        if not isinstance(part, (PolicyPart, EnvPart)):
+            raise CollectorError(None, ErrorCode.STRUCTURE_MISMATCH, f"not a part: {type(part)}")
+        src = part.source
+        key = tuple(int(v) if isinstance(v, (int, np.integer)) else _scalar(v)
+                    for v in src.key.fields())
+        layout = self.structure(part, False, key)
+        bs, off = _scalar(src.batch_size), _scalar(src.offset)
+        s = self.index.get((key[2], key[3]))
+        found, s = s is not None, s or 0
+        source = TrajectorySource(TrajectoryKey(*key), bs, off)
+        rules = key_checks(py, self.plan, source, layout.rows, found, int(step[s]))
+        e, t = key[1], key[4]
+        if not first_error(py, rules):
+            dup = bool(rows_mask[s, e, t, off : off + layout.rows].any())
+            rules.append((dup, ErrorCode.DUPLICATE))
+        if isinstance(part, EnvPart):
+            rules += env_checks(
+                py, self.plan, t, layout, needs_final=self.needs_final,
+                cut=bool(cut_any(np, self.plan, part)),
+            )
+        if self.plan.nonfinite == "reject":
+            finite = all(np.isfinite(np.asarray(x)).all() for x in finite_leaves(part))
+            rules.append((not finite, ErrorCode.NON_FINITE))
+        code = first_error(py, rules)
+        if code:
+            raise CollectorError(key, code)
+        return s, e, t, off, layout
+
+    def stack(self, part: Any, rows_mask: np.ndarray, step: np.ndarray) -> np.ndarray:
+        """Check a stack of parts (a leading axis ``N``) and mark their rows in
+        ``rows_mask``; return their source indices ``[N]``.
+
+        Rows repeated within the stack are duplicates too. Raises ``CollectorError``
+        for the first rejected part; ``rows_mask`` is then unchanged.
+        """
+        keys = np.stack([np.asarray(v) for v in part.source.key.fields()], axis=1)
+        layout = self.structure(part, True, None)
+        check_key_dtypes(jax.tree.map(lambda x: np.asarray(x).reshape(-1)[0], part.source))
+        keys = keys.astype(np.int64)
+        n, rows = keys.shape[0], layout.rows
+        bs = np.broadcast_to(np.asarray(part.source.batch_size, np.int64), (n,))
+        off = np.broadcast_to(np.asarray(part.source.offset, np.int64), (n,))
+        match = (self.sources[None, :, 0] == keys[:, 2:3]) & (
+            self.sources[None, :, 1] == keys[:, 3:4]
+        )
+        found, s = match.any(axis=1), match.argmax(axis=1)
+        source = TrajectorySource(TrajectoryKey(*keys.T), bs, off)
+        rules = key_checks(np, self.plan, source, rows, found, step[s])
+        valid = first_error(np, rules) == 0
+        e, t = np.where(valid, keys[:, 1], 0), np.where(valid, keys[:, 4], 0)
+        o = np.where(valid, off, 0)
+        row_idx = o[:, None] + np.arange(rows)
+        dup = rows_mask[s[:, None], e[:, None], t[:, None], row_idx].any(axis=1)
+        # Rows repeated within the stack: every occurrence after the first is a duplicate.
+        flat = np.ravel_multi_index((s[:, None], e[:, None], t[:, None], row_idx), rows_mask.shape)
+        flat = np.where(valid[:, None], flat, -1 - np.arange(n)[:, None])
+        _, first = np.unique(flat.ravel(), return_index=True)
+        seen_first = np.zeros(flat.size, bool)
+        seen_first[first] = True
+        dup |= ~seen_first.reshape(flat.shape).all(axis=1)
+        rules.append((dup, ErrorCode.DUPLICATE))
+        if isinstance(part, EnvPart):
+            rules += env_checks(
+                np, self.plan, keys[:, 4], layout, needs_final=self.needs_final,
+                cut=cut_any(np, self.plan, part, n),
+            )
+        if self.plan.nonfinite == "reject":
+            finite = np.ones((n,), bool)
+            for x in finite_leaves(part):
+                finite &= np.isfinite(np.asarray(x)).reshape(n, -1).all(axis=1)
+            rules.append((~finite, ErrorCode.NON_FINITE))
+        code = first_error(np, rules)
+        bad = np.flatnonzero(code)
+        if bad.size:
+            i = bad[0]
+            raise CollectorError(keys[i], code[i], f"part {i} of its group in the batch")
+        rows_mask[s[:, None], e[:, None], t[:, None], row_idx] = True
+        return s
+
+
+def _scalar(v: Any) -> int:
+    """A host integer from a key field; a non-integer raises (checked in the structure)."""
+    if isinstance(v, (int, np.integer)):
+        return int(v)
+    a = np.asarray(v)
+    if a.ndim or not np.issubdtype(a.dtype, np.integer):
+        raise CollectorError(None, ErrorCode.STRUCTURE_MISMATCH, f"key field {v!r} is not an int")
+    return int(a)

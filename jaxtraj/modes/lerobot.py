@@ -1,0 +1,149 @@
+"""LeRobot mode: completed episodes, with in-progress episodes carried across steps.
+
+Completion scope: one training step of one source, as in rollout mode. Its flush
+turns the step's ``Trajectory`` into dataset frames (``trajectory_frames``), appends
+them to every environment's running episode on device (:mod:`jaxtraj.episodes`) and
+emits the episodes that ended; the facade transfers them once per flush and hands them
+to a dataset writer (``jaxtraj.lerobot.LeRobotWriter``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import jax
+import numpy as np
+
+from jaxtraj import episodes as ep_lib
+from jaxtraj.errors import CollectorError, ErrorCode
+from jaxtraj.modes import rollout
+from jaxtraj.plan import TrajectoryPlan
+from jaxtraj.state import CollectorState
+from jaxtraj.state import init as init_state
+from jaxtraj.types import trajectory_frames
+
+
+def frames_of(plan: TrajectoryPlan, state: CollectorState, traj) -> tuple[dict, jax.Array]:
+    """The dataset frames of a flushed trajectory; ``K`` comes from the action chunk."""
+    return trajectory_frames(
+        traj,
+        per_action=plan.lerobot_frame == "action",
+        actions_per_chunk=state.actions_per_chunk,
+        state_key=plan.lerobot_state_key,
+    )
+
+
+def init(plan: TrajectoryPlan, state: CollectorState) -> ep_lib.EpisodeState:
+    """Empty running-episode buffers for one single-source state."""
+    example = jax.eval_shape(lambda st: frames_of(plan, st, rollout.flush(plan, st)[0])[0], state)
+    return ep_lib.init_episodes(example, plan.batch_size, plan.max_episode_length)
+
+
+def features(plan: TrajectoryPlan, policy_example, env_example) -> dict[str, dict]:
+    """The frame features of a run, as a LeRobot ``info.json`` declares them.
+
+    ``{name: {"dtype": ..., "shape": [D], "names": None}}``; scalars have shape ``[1]``.
+    """
+    state = jax.eval_shape(lambda: init_state(plan, policy_example, env_example, sources=(0, 0)))
+    frames = jax.eval_shape(lambda st: init(plan, st).frames, state)
+    return {
+        name: {"dtype": str(x.dtype), "shape": [int(math.prod(x.shape[2:]))], "names": None}
+        for name, x in frames.items()
+    }
+
+
+def flush(
+    plan: TrajectoryPlan, state: CollectorState, episodes: ep_lib.EpisodeState
+) -> tuple[ep_lib.EpisodeBatch, CollectorState, ep_lib.EpisodeState]:
+    """Flush one single-source state's complete step into its running episodes.
+
+    Returns ``(batch, state, episodes)``. If ``batch.overflow`` is set anywhere, or the
+    step was incomplete (``state.error_code``), discard all three and keep the inputs
+    (do not donate them).
+    """
+    traj, state = rollout.flush(plan, state)
+    frames, done = frames_of(plan, state, traj)
+    episodes, batch = ep_lib.append(
+        episodes, frames, done, truncate=plan.episode_overflow == "truncate"
+    )
+    return batch, state, episodes
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LeRobot:
+    """LeRobot mode in the common form of :mod:`jaxtraj.modes`; scopes are source indices.
+
+    Args:
+      plan: the plan.
+      writer: an object with ``add_episodes(episodes, tasks)`` (e.g. a
+        ``jaxtraj.lerobot.LeRobotWriter``) or ``None``.
+      tasks: the task string of every environment (one string for all, or one per
+        environment index).
+    """
+
+    plan: TrajectoryPlan
+    writer: Any = None
+    tasks: str | Sequence[str] = "default"
+    stacked: ClassVar[bool] = False
+
+    def __post_init__(self):
+        B = self.plan.batch_size
+        tasks = [self.tasks] * B if isinstance(self.tasks, str) else list(self.tasks)
+        if len(tasks) != B or not all(isinstance(t, str) and t for t in tasks):
+            raise ValueError(f"tasks must be one non-empty string or {B} of them, got {self.tasks!r}")
+        object.__setattr__(self, "tasks", tuple(tasks))
+
+    # -- pure ---------------------------------------------------------------------------
+
+    def init(self, state: CollectorState) -> ep_lib.EpisodeState:
+        return init(self.plan, state)
+
+    def ready(self, state: CollectorState, mode_state: Any = None) -> jax.Array:
+        return rollout.ready(state)
+
+    def flush(self, state, mode_state, scope=None, current_version=0):
+        return flush(self.plan, state, mode_state)
+
+    # -- host ---------------------------------------------------------------------------
+
+    scopes = rollout.Rollout.scopes
+    state_index = rollout.Rollout.state_index
+    scope_name = rollout.Rollout.scope_name
+    scope_index = rollout.Rollout.scope_index
+    place = rollout.Rollout.place
+    describe = rollout.Rollout.describe
+    advance = rollout.Rollout.advance
+
+    def compiled_flush(self, state, mode_state, scope, current_version, *, owned: bool):
+        # Not donated: if an episode overflows, the old state and episodes are kept.
+        return _compiled(self.plan)(state, mode_state)
+
+    def emit(self, items: ep_lib.EpisodeBatch, scope: int, mirror) -> list[tuple[str, Any]]:
+        """The episodes that ended, as ``(env_index, frames)``, handed to the writer.
+
+        Raises:
+          CollectorError: ``EPISODE_OVERFLOW`` (before anything is written or kept).
+        """
+        overflow = np.asarray(items.overflow)
+        if overflow.any():
+            envs = np.flatnonzero(overflow).tolist()
+            raise CollectorError(
+                self.describe(scope, mirror), ErrorCode.EPISODE_OVERFLOW, f"environments {envs}"
+            )
+        done = [
+            (b, frames)
+            for b, eps in enumerate(ep_lib.completed_episodes(items))
+            for frames in eps
+        ]
+        if self.writer is not None and done:
+            self.writer.add_episodes([f for _, f in done], [self.tasks[b] for b, _ in done])
+        return [(self.plan.queue_key, done)]
+
+
+@functools.cache
+def _compiled(plan: TrajectoryPlan):
+    return jax.jit(functools.partial(flush, plan))

@@ -1,0 +1,202 @@
+"""Where the facade keeps a step's data until its scope flushes (internal).
+
+Two strategies with one small interface, chosen by :class:`jaxtraj.TrajectoryCollector`:
+
+- :class:`HostStorage` (numpy parts): every half is copied once, by ``np.copyto``, into
+  host staging buffers allocated 64-byte aligned; a flush hands them to the device in
+  one transfer per buffer. On the CPU backend that transfer is zero-copy (JAX adopts
+  aligned host memory), so a half costs one pass over its bytes and a flush none. A
+  step's staging is never written again once flushed: the next step gets fresh
+  buffers, so a trajectory handed out is never changed behind its holder's back.
+- :class:`DeviceStorage` (parts already on an accelerator): the jitted pure inserts
+  into a donated device state, as a jitted training loop would call them.
+
+Coverage lives in the facade's mirror (:class:`jaxtraj.collector.Mirror`), not here.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxtraj import joiner
+from jaxtraj.state import CollectorState
+from jaxtraj.types import EnvPart, PolicyPart
+
+_ALIGN = 64  # bytes: what XLA's CPU client needs to adopt host memory without a copy
+
+
+def aligned_empty(shape: tuple, dtype: Any) -> np.ndarray:
+    """An uninitialised array whose data starts on a 64-byte boundary."""
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape)) * dtype.itemsize
+    raw = np.empty(n + _ALIGN, np.uint8)
+    start = (-raw.ctypes.data) % _ALIGN
+    return raw[start : start + n].view(dtype).reshape(shape)
+
+
+class HostStorage:
+    """Host staging buffers, one :class:`CollectorState` of numpy arrays per state.
+
+    Args:
+      layouts: per state, its shapes (``jax.eval_shape`` of ``init``).
+      groups: per state, the source indices it holds (one, or all when stacked).
+      place: puts a state on its devices at flush time (e.g. sharded over a mesh).
+    """
+
+    owned = True  # the buffers handed to a flush are never written again
+
+    def __init__(self, layouts: list[CollectorState], groups: list[list[int]], place=None):
+        self._layouts, self._groups = layouts, groups
+        self._place = place or (lambda st: st)
+        self._states = [self._fresh(lay) for lay in layouts]
+
+    @staticmethod
+    def _fresh(layout: CollectorState) -> CollectorState:
+        data = lambda tree: jax.tree.map(lambda x: aligned_empty(x.shape, x.dtype), tree)
+        zeros = lambda x: None if x is None else np.zeros(x.shape, x.dtype)
+        return layout.replace(
+            policy=data(layout.policy),
+            env=data(layout.env),
+            initial=data(layout.initial),
+            next_obs_given=zeros(layout.next_obs_given),
+            next_rlt_given=zeros(layout.next_rlt_given),
+        )
+
+    def insert(self, i: int, at: tuple, part: Any, layout: Any) -> None:
+        """Copy one checked half into state ``i`` at ``at = (*prefix, e, t, offset)``."""
+        rows = at[:-1] + (slice(at[-1], at[-1] + layout.rows),)
+        self._write(self._states[i], rows, at[:-3] + (at[-3], rows[-1]), part, layout)
+
+    def insert_many(self, i: int, at: tuple, parts: Any, layout: Any) -> None:
+        """Copy a stack of checked halves: ``at`` holds index arrays ``[N]`` (prefix, e,
+        t, offset)."""
+        rows = tuple(a[:, None] for a in at[:-1]) + (at[-1][:, None] + np.arange(layout.rows),)
+        self._write(self._states[i], rows, rows[:-3] + (rows[-3], rows[-1]), parts, layout)
+
+    @staticmethod
+    def _write(st: CollectorState, rows: tuple, initial_rows: tuple, part: Any, layout) -> None:
+        if isinstance(part, PolicyPart):
+            _copy(st.policy, part.replace(source=None), rows)
+            return
+        _copy(st.env.transition, part.transition, rows)
+        for name, given in (
+            ("final_values", layout.has_final),
+            ("next_obs", layout.has_next),
+            ("next_rlt_obs", layout.has_rlt),
+        ):
+            buf = getattr(st.env, name)
+            if buf is None:
+                continue
+            if given:
+                _copy(buf, getattr(part, name), rows)
+            else:  # absent optional fields read as zeros: no stale data
+                for b in jax.tree.leaves(buf):
+                    b[rows] = 0
+        if st.next_obs_given is not None:
+            st.next_obs_given[rows] = layout.has_next
+        if st.next_rlt_given is not None:
+            st.next_rlt_given[rows] = layout.has_rlt
+        if layout.has_initial:
+            _copy(st.initial, part.initial_transition.boundary(), initial_rows)
+
+    def read(self, i: int, kind: type, at: tuple, rows: int) -> Any:
+        """The stored payload of one half's rows (to compare a re-sent half with)."""
+        st = self._states[i]
+        sl = at[:-1] + (slice(at[-1], at[-1] + rows),)
+        return jax.tree.map(lambda b: b[sl], st.policy if kind is PolicyPart else st.env)
+
+    def device_state(self, i: int, mirror: Any) -> CollectorState:
+        """State ``i`` on its devices: the staging buffers (zero-copy on the CPU backend)
+        with a copy of the coverage the mirror records for its sources."""
+        return self._place(jax.device_put(self.state(i, mirror)))
+
+    def state(self, i: int, mirror: Any) -> CollectorState:
+        """State ``i`` as host arrays: the staging buffers themselves, and a copy of the
+        coverage the mirror records for its sources."""
+        st, lay, group = self._states[i], self._layouts[i], self._groups[i]
+        pick = (lambda x: x[group]) if len(group) > 1 or lay.stacked else (lambda x: x[group[0]])
+        copy = lambda x: None if x is None else x.copy()
+        full = st.replace(
+            policy_rows=np.array(pick(mirror.rows[PolicyPart])),
+            env_rows=np.array(pick(mirror.rows[EnvPart])),
+            next_obs_given=copy(st.next_obs_given),
+            next_rlt_given=copy(st.next_rlt_given),
+            sources=np.asarray(pick(mirror.sources), np.int32),
+            step=np.asarray(pick(mirror.step), np.int32),
+            error_code=np.zeros(lay.error_code.shape, np.int32),
+            error_key=np.zeros(lay.error_key.shape, np.int32),
+            error_count=np.zeros(lay.error_count.shape, np.int32),
+        )
+        return full
+
+    def after_flush(self, i: int, state: CollectorState) -> None:
+        pass  # coverage is the mirror's; the buffers are renewed when the step ends
+
+    def renew(self, i: int) -> None:
+        """Fresh staging for state ``i``'s next step (the old buffers were handed out)."""
+        self._states[i] = self._fresh(self._layouts[i])
+
+    def load(self, i: int, state: CollectorState) -> None:
+        """Replace state ``i``'s staging with ``state``'s data (a checkpoint)."""
+        fresh = self._fresh(self._layouts[i])
+        for b, x in zip(jax.tree.leaves((fresh.policy, fresh.env, fresh.initial)),
+                        jax.tree.leaves((state.policy, state.env, state.initial))):
+            np.copyto(b, np.asarray(x))
+        given = lambda x: None if x is None else np.array(x)
+        self._states[i] = fresh.replace(
+            next_obs_given=given(state.next_obs_given), next_rlt_given=given(state.next_rlt_given)
+        )
+
+
+def _copy(buffer: Any, data: Any, index: Any) -> None:
+    """``buffer[index] = data`` leaf by leaf: one pass over the data."""
+    for b, x in zip(jax.tree.leaves(buffer), jax.tree.leaves(data)):
+        b[index] = x
+
+
+class DeviceStorage:
+    """Device states, written by the jitted pure inserts (state donated)."""
+
+    owned = False
+
+    def __init__(self, states: list[CollectorState], plan: Any, place=None):
+        place = place or (lambda st: st)
+        self._states = [place(st) for st in states]
+        self.plan = plan
+
+    def insert(self, i: int, at: tuple, part: Any, layout: Any) -> None:
+        self._states[i] = _ADD[type(part)](self.plan, self._states[i], part)
+
+    def insert_many(self, i: int, at: tuple, parts: Any, layout: Any) -> None:
+        self._states[i] = _ADD_MANY[type(parts)](self.plan, self._states[i], parts)
+
+    def read(self, i: int, kind: type, at: tuple, rows: int) -> Any:
+        st = self._states[i]
+        sl = at[:-1] + (slice(at[-1], at[-1] + rows),)
+        tree = st.policy if kind is PolicyPart else st.env
+        return jax.tree.map(lambda b: np.asarray(b[sl]), tree)
+
+    def device_state(self, i: int, mirror: Any) -> CollectorState:
+        return self._states[i]
+
+    def after_flush(self, i: int, state: CollectorState) -> None:
+        self._states[i] = state
+
+    def renew(self, i: int) -> None:
+        pass  # the flush cleared the coverage on device; the buffers are reused
+
+    def state(self, i: int, mirror: Any) -> CollectorState:
+        return self._states[i]
+
+    def load(self, i: int, state: CollectorState) -> None:
+        self._states[i] = jax.device_put(state)
+
+
+_jit = functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
+_ADD = {PolicyPart: _jit(joiner.add_policy), EnvPart: _jit(joiner.add_env)}
+_ADD_MANY = {PolicyPart: _jit(joiner.add_policies), EnvPart: _jit(joiner.add_envs)}
+

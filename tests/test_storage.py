@@ -1,0 +1,101 @@
+"""Where a step's bytes live: one copy in, no copy out, and nothing written behind a holder."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+from helpers import PLAN, all_parts, env_part, policy_part
+from test_core import assert_same, reference
+
+import jaxtraj
+from jaxtraj import CollectorError, ErrorCode
+from jaxtraj.storage import aligned_empty
+
+pointer = lambda x: np.asarray(x).ctypes.data  # zero-copy view of a CPU array
+
+
+def test_staging_is_aligned_for_zero_copy_transfer():
+    for shape, dtype in (((3, 5), np.float32), ((7,), np.uint8), ((2, 3, 4), np.int64)):
+        a = aligned_empty(shape, dtype)
+        assert a.shape == shape and a.dtype == dtype and a.ctypes.data % 64 == 0
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="zero-copy adoption is the CPU client's")
+def test_facade_flush_hands_over_the_staging_buffers_without_a_copy():
+    c = jaxtraj.TrajectoryCollector(PLAN, policy_part(0), env_part(0), storage="host")
+    parts = all_parts(0)
+    for p in parts[:-1]:
+        assert c.add(p) == []
+    staged = pointer(c.states[0].policy.obs["image"])
+    ((_, traj),) = c.add(parts[-1])
+    assert pointer(traj.obs["image"]) == staged  # no copy on the way out
+    assert pointer(traj.forward_inputs["tokens"]) != staged
+    assert pointer(c.states[0].policy.obs["image"]) != staged  # the next step has its own
+    assert_same(traj, reference(0))
+
+
+@pytest.mark.parametrize("storage", ["host", "device"])
+def test_a_handed_out_trajectory_is_never_written_by_later_collection(storage):
+    c = jaxtraj.TrajectoryCollector(PLAN, policy_part(0), env_part(0), storage=storage)
+    (first,) = [t for p in all_parts(0) for _, t in c.add(p)]
+    kept = jax.tree.map(np.array, first)  # a copy to compare with
+    for step in (1, 2):  # the next steps reuse nothing the first one handed out
+        out = [t for p in all_parts(0, step=step) for _, t in c.add(p)]
+        assert len(out) == 1
+    assert_same(first, kept)
+
+
+@pytest.mark.parametrize("storage", ["host", "device"])
+def test_rejected_part_changes_nothing_in_either_storage(storage):
+    c = jaxtraj.TrajectoryCollector(PLAN, policy_part(0), env_part(0), storage=storage)
+    parts = all_parts(0)
+    for p in parts[:5]:
+        c.add(p)
+    before = jax.tree.map(np.array, c.state)
+    with pytest.raises(CollectorError) as info:
+        c.add(parts[0])  # the same half again
+    assert info.value.code == ErrorCode.DUPLICATE
+    after = jax.tree.map(np.array, c.state)
+    assert_same(after, before)
+    out = [t for p in parts[5:] for _, t in c.add(p)]
+    assert_same(out[0], reference(0))
+
+
+def test_pure_inserts_are_in_place_and_recycled_flush_copies_nothing():
+    state = jaxtraj.init(PLAN, policy_part(0), env_part(0), sources=(0, 0))
+    add = {
+        jaxtraj.PolicyPart: jax.jit(jaxtraj.add_policy, static_argnums=0, donate_argnums=1),
+        jaxtraj.EnvPart: jax.jit(jaxtraj.add_env, static_argnums=0, donate_argnums=1),
+    }
+    flush = jax.jit(jaxtraj.rollout.flush, static_argnums=0, donate_argnums=(1, 3))
+    image = lambda st: st.policy.obs["image"].unsafe_buffer_pointer()
+    first = image(state)
+    for p in all_parts(0):
+        state = add[type(p)](PLAN, state, p)
+        assert image(state) == first  # donated: written in place
+    traj0, state = flush(PLAN, state)  # no recycle yet: the state keeps a copy
+    assert_same(traj0, reference(0))
+    spare = traj0.obs["image"].unsafe_buffer_pointer()
+    kept0 = jax.tree.map(np.array, traj0)
+    for p in all_parts(0, step=1):
+        state = add[type(p)](PLAN, state, p)
+    before = image(state)
+    traj1, state = flush(PLAN, state, None, traj0)  # traj0 donated back
+    assert traj1.obs["image"].unsafe_buffer_pointer() == before  # taken, not copied
+    assert image(state) == spare  # the state continues in the recycled buffers
+    assert_same(traj1, reference(0, step=1))
+    for p in all_parts(0, step=2):
+        state = add[type(p)](PLAN, state, p)
+    traj2, state = flush(PLAN, state, None, traj1)
+    assert_same(traj2, reference(0, step=2))
+    jaxtraj.raise_if_error(state)
+    del kept0
+
+
+def test_recycle_must_be_a_trajectory_of_the_plan():
+    state = jaxtraj.init(PLAN, policy_part(0), env_part(0), sources=(0, 0))
+    with pytest.raises(ValueError, match="recycle"):
+        functools.partial(jaxtraj.rollout.flush, PLAN)(state, None, {"x": np.zeros(3)})
