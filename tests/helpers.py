@@ -1,7 +1,10 @@
-"""Small deterministic parts shared by the tests (one set of shapes: few compiles)."""
+"""Small deterministic parts shared by the tests (one set of shapes: few compiles), and
+the comparisons every test file uses: ``reference()``, ``assert_same()``, ``snapshot()``."""
 
 from __future__ import annotations
 
+import chex
+import jax
 import numpy as np
 
 from jaxtraj import (
@@ -9,6 +12,7 @@ from jaxtraj import (
     EnvTransition,
     PolicyOutput,
     PolicyPart,
+    TrajectoryCollector,
     TrajectoryKey,
     TrajectoryPlan,
     TrajectorySource,
@@ -43,7 +47,14 @@ def policy_part(chunk, epoch=0, env_rank=0, step=0, stage=0, rows=B):
 
 
 def env_part(chunk, epoch=0, env_rank=0, step=0, stage=0, rows=B, done_at=None):
-    """A full env half; ``done_at`` marks rows ``row % (T) == chunk`` done when set."""
+    """A full env half whose values encode its key.
+
+    ``rewards [rows, K]`` are action-level (``tag + row + action``); no truncations.
+    ``terminations`` are ``done_at`` when given (``[rows]`` bool), else row ``r``
+    terminates at chunk ``r % T`` (each row once per epoch). Chunk 0 carries an
+    ``initial_transition`` (odd rows terminated before the first action); chunks 1 and
+    ``T - 1`` carry ``final_values`` (``-tag``), the others none.
+    """
     tag = 1000 * step + 100 * env_rank + 10 * epoch + chunk
     r = np.arange(rows)
     dones = (r % T) == chunk if done_at is None else np.asarray(done_at)
@@ -70,3 +81,23 @@ def all_parts(env_rank=0, step=0, stage=0):
             out.append(policy_part(t, e, env_rank, step, stage))
             out.append(env_part(t, e, env_rank, step, stage))
     return out
+
+
+def reference(env_rank=0, step=0):
+    """The ``Trajectory`` of a clean collector fed ``all_parts`` in order, one at a time."""
+    c = TrajectoryCollector(PLAN, policy_part(0), env_part(0), step_id=step)
+    out = []
+    for p in all_parts(env_rank, step):
+        out += c.add(p)
+    assert len(out) == 1
+    return out[0][1]
+
+
+def assert_same(a, b):
+    """Same tree structure and bit-identical leaves (numpy or jax arrays alike)."""
+    chex.assert_trees_all_equal(a, b)
+
+
+def snapshot(state):
+    """A host copy of every leaf, safe from later donation or in-place writes."""
+    return jax.tree.map(lambda x: np.array(x, copy=True), state)

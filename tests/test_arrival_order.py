@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from helpers import PLAN, all_parts, env_part, policy_part
+from helpers import PLAN, all_parts, assert_same, env_part, policy_part, reference
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_core import assert_same, reference
 
 import jaxtraj
 

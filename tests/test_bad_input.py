@@ -6,8 +6,18 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from helpers import PLAN, B, E, T, all_parts, env_part, policy_part
-from test_core import assert_same, reference, snapshot
+from helpers import (
+    PLAN,
+    B,
+    E,
+    T,
+    all_parts,
+    assert_same,
+    env_part,
+    policy_part,
+    reference,
+    snapshot,
+)
 
 import jaxtraj
 from jaxtraj import CollectorError, ErrorCode

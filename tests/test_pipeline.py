@@ -7,8 +7,7 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-from helpers import PLAN, B, E, T, all_parts, env_part, policy_part
-from test_core import reference
+from helpers import PLAN, B, E, T, all_parts, env_part, policy_part, reference
 
 import jaxtraj
 from jaxtraj import CollectorError

@@ -7,8 +7,7 @@ import functools
 import jax
 import numpy as np
 import pytest
-from helpers import PLAN, all_parts, env_part, policy_part
-from test_core import assert_same, reference
+from helpers import PLAN, all_parts, assert_same, env_part, policy_part, reference
 
 import jaxtraj
 from jaxtraj import CollectorError, ErrorCode

@@ -1,0 +1,70 @@
+"""jaxtraj.collector: the host facade. Sources flush independently, scopes are named the
+mode's way, every mode has ``current_version``, and an empty fragment is a no-op."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from helpers import PLAN, all_parts, assert_same, env_part, policy_part, reference, snapshot
+
+import jaxtraj
+
+
+def test_sources_flush_independently_and_buffers_clear():
+    c = jaxtraj.TrajectoryCollector(PLAN, policy_part(0), env_part(0))
+    got = []
+    parts0, parts1 = all_parts(0), all_parts(1)
+    for p in parts1[:-1]:
+        assert c.add(p) == []
+    for p in parts0:
+        got += c.add(p)
+    assert [int(t.env_rank) for _, t in got] == [0]
+    assert c.ready() == []
+    # source 0 is on step 1 now; source 1 is still on step 0
+    assert c.current_step(0) == 1 and c.current_step(1) == 0
+    got += c.add(parts1[-1])
+    for p in all_parts(0, step=1):
+        got += c.add(p)
+    assert [(int(t.env_rank), int(t.step_id)) for _, t in got] == [(0, 0), (1, 0), (0, 1)]
+    assert_same(got[0][1], reference(0))
+    assert_same(got[1][1], reference(1))
+    assert_same(got[2][1], reference(0, step=1))
+
+
+def test_ready_and_flush_name_sources_in_rollout_mode():
+    c = jaxtraj.TrajectoryCollector(PLAN, policy_part(0), env_part(0), auto_flush=False)
+    for p in all_parts(1):
+        assert c.add(p) == []
+    assert c.ready() == [(1, 0)]
+    ((queue_key, traj),) = c.flush(1, 0)
+    assert queue_key == PLAN.queue_key
+    assert_same(traj, reference(1))
+    assert c.ready() == [] and c.current_step(1) == 1 and c.current_step(0) == 0
+
+
+@pytest.mark.parametrize("mode", ["rollout", "pipeline", "lerobot"])
+def test_current_version_in_every_mode(mode):
+    """Defect 3: rollout mode had no current_version."""
+    plan = dataclasses.replace(PLAN, mode=mode)
+    c = jaxtraj.TrajectoryCollector(plan, policy_part(0), env_part(0))
+    assert c.current_version == 0
+    c.current_version = 3
+    assert c.state_dict()["mirror"]["current_version"] == 3
+
+
+def test_zero_row_fragment_is_a_no_op():
+    """Defect 10: a fragment with no rows is accepted, changes nothing, and the step
+    still flushes the same trajectory."""
+    c = jaxtraj.TrajectoryCollector(PLAN, policy_part(0), env_part(0))
+    parts = all_parts(0)
+    for p in parts[:4]:
+        c.add(p)
+    before = snapshot(c.state)
+    assert c.add(policy_part(2, rows=0)) == []
+    assert c.add(env_part(2, rows=0)) == []
+    assert c.add_many([policy_part(2, rows=0), env_part(1, rows=0)]) == []
+    assert_same(snapshot(c.state), before)
+    out = [t for p in parts[4:] for _, t in c.add(p)]
+    assert len(out) == 1
+    assert_same(out[0], reference(0))
