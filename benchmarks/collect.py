@@ -1,28 +1,35 @@
 """Collect one training step of realistic embodied parts: jaxtraj against a host-side
-dict-and-stack collector in the original system's style and a plain memory copy.
+dict-and-stack collector in the original system's style, a plain donated insert and a
+plain memory copy.
 
-Parts (per source chunk, B = 64 environments): one 64x64x3 uint8 image and a
-32-float state, an 8x7 float action chunk, log-probabilities of the same shape, a
-value, 256 int32 forward-input tokens; env halves with 8 action-level rewards and
-done flags. T = 64 chunks, one epoch. Halves arrive in a random order.
+Two steps (``CASES``), halves in a random order:
 
-Measured, side by side in one process:
+- ``bench``: B = 64 environments, T = 64 chunks; a 64x64x3 uint8 image and 32 floats
+  of state, 8x7 action chunks and log-probabilities, a value, 256 int32 tokens, 8
+  action-level rewards and done flags;
+- ``camera``: B = 32, T = 48; a 96x96x3 image, 24 floats of proprioception, 5x7
+  action chunks, 128 tokens, chunk-level rewards.
+
+Measured side by side in one process, round by round (each round runs every
+contender once, so they meet the same load on a shared machine):
 
 - ``memcpy``: one contiguous copy of every byte the step holds (the physical limit);
-- ``jax_copy``: a jitted copy of those bytes into a new device buffer (what producing
-  that many fresh bytes costs a JAX program, first-touch page faults included);
-- ``host_dict_stack``: the original system's collector: dicts keyed by key, a
-  step per joined pair, ``np.stack`` per field at flush;
-- ``jaxtraj_add``: ``TrajectoryCollector.add`` per half, then the flush;
+- ``floor_donated_insert``: a jitted, donated ``dynamic_update_slice`` of each half
+  into warm device buffers, parts already on device; no checks, no masks, no flush;
+- ``jax_copy``: a jitted copy of those bytes into a new device buffer;
+- ``host_dict_stack``: the original system's collector: dicts keyed by key, a step
+  per joined pair, ``np.stack`` per field at flush;
+- ``jaxtraj_add``: ``TrajectoryCollector.add`` per numpy half, then the flush;
 - ``jaxtraj_add_many``: ``TrajectoryCollector.add_many`` in batches of 16 halves;
-- ``jaxtraj_jit``: the pure jitted functions on parts already on the device.
+- ``jaxtraj_jit``: the pure jitted functions on parts already on the device, and a
+  flush that recycles the previous step's trajectory.
 
-Two more figures: the overhead per half of batched inserts of tiny parts (B = 8,
-no image), and insert time at a capacity of 4096 chunks against 64 chunks.
+More figures: per-half overhead of batched inserts of tiny parts (B = 8, no image),
+one ``add`` of a tiny part, and insert time at a capacity of 4096 chunks against 64.
 
-    python benchmarks/collect.py [--quick] [--repeats 5]
+    python benchmarks/collect.py [--quick] [--repeats 7] [--B 64 --T 64] [--cases bench,camera]
 
-Writes ``benchmarks/results/collect.json`` and prints a table.
+Writes ``benchmarks/results/collect.json`` and prints the tables.
 """
 
 from __future__ import annotations
@@ -52,18 +59,26 @@ from jaxtraj import (
     stack_parts,
 )
 
-K, A = 8, 7
+CASES = {
+    # the benchmark's own step: B = 64, T = 64, a 64x64x3 image, 8x7 actions, action-level rewards
+    "bench": dict(image=(64, 64, 3), state=32, K=8, A=7, tokens=256, action_rewards=True),
+    # a camera-sized embodied step: B = 32, T = 48, a 96x96x3 image, 24 floats of
+    # proprioception, 5x7 action chunks, 128 tokens, chunk-level rewards
+    "camera": dict(image=(96, 96, 3), state=24, K=5, A=7, tokens=128, action_rewards=False),
+}
 
 
-def make_parts(B, T, *, image=True, seed=0):
+def make_parts(B, T, *, image=True, seed=0, case="bench"):
     """All halves of one training step (one source, one epoch), shuffled."""
+    spec = CASES[case]
+    K, A = spec["K"], spec["A"]
     rng = np.random.default_rng(seed)
     parts = []
     for t in range(T):
         key = TrajectoryKey(0, 0, 0, 0, t)
-        obs = {"state": rng.standard_normal((B, 32), np.float32)}
+        obs = {"state": rng.standard_normal((B, spec["state"]), np.float32)}
         if image:
-            obs["image"] = rng.integers(0, 255, (B, 64, 64, 3), np.uint8)
+            obs["image"] = rng.integers(0, 255, (B, *spec["image"]), np.uint8)
         parts.append(
             PolicyPart(
                 source=TrajectorySource(key, B, 0),
@@ -72,17 +87,20 @@ def make_parts(B, T, *, image=True, seed=0):
                     actions=rng.standard_normal((B, K, A), np.float32),
                     prev_logprobs=rng.standard_normal((B, K, A), np.float32),
                     prev_values=rng.standard_normal((B,), np.float32),
-                    forward_inputs={"tokens": rng.integers(0, 32000, (B, 256), np.int32)},
+                    forward_inputs={
+                        "tokens": rng.integers(0, 32000, (B, spec["tokens"]), np.int32)
+                    },
                 ),
             )
         )
-        zeros = np.zeros((B, K), bool)
+        flags = (B, K) if spec["action_rewards"] else (B,)
+        zeros = np.zeros(flags, bool)
         parts.append(
             EnvPart(
                 source=TrajectorySource(key, B, 0),
                 transition=EnvTransition(
-                    rewards=rng.standard_normal((B, K), np.float32),
-                    terminations=rng.random((B, K)) < 0.01,
+                    rewards=rng.standard_normal(flags, np.float32),
+                    terminations=rng.random(flags) < 0.01,
                     truncations=zeros,
                 ),
                 initial_transition=EnvTransition(terminations=zeros, truncations=zeros)
@@ -222,28 +240,56 @@ def run_jaxtraj_add_many(parts, plan, repeats, batch=16):
     return collect
 
 
+def run_floor(parts, T, repeats):
+    """The floor: a plain donated ``dynamic_update_slice`` of each half into warm device
+    buffers ``[T, B, ...]`` (no checks, no masks, no flush), parts already on device."""
+    pol, env = examples(parts)
+    payload = lambda p: p.replace(source=None)
+    alloc = lambda tree: jax.tree.map(lambda x: jnp.zeros((T,) + x.shape, x.dtype), tree)
+    bufs = {PolicyPart: alloc(payload(pol)), EnvPart: alloc(payload(env).replace(
+        initial_transition=None, final_values=None))}
+
+    def put(buf, data, t):
+        return jax.tree.map(
+            lambda b, x: jax.lax.dynamic_update_slice(b, x[None], (t,) + (0,) * x.ndim), buf, data
+        )
+
+    insert = jax.jit(put, donate_argnums=0)
+    steps = iter(
+        [
+            [(type(p), payload(p).replace(initial_transition=None, final_values=None)
+              if isinstance(p, EnvPart) else payload(p), p.source.key.chunk_id) for p in step]
+            for step in jax.device_put(steps_of(parts, repeats + 1))
+        ]
+    )
+
+    def collect():
+        for kind, data, t in next(steps):
+            bufs[kind] = insert(bufs[kind], data, t)
+        jax.block_until_ready(list(bufs.values()))
+
+    return collect
+
+
 def run_jaxtraj_jit(parts, plan, repeats):
-    """The pure functions on device-resident parts (one host sync: ``ready``)."""
+    """The pure functions on device-resident parts: inserts, then a flush that recycles
+    the previous step's trajectory (donated), so it hands its buffers over without a
+    copy. One host sync per step (``ready``)."""
     pol, env = examples(parts)
     add_p = jax.jit(jaxtraj.add_policy, static_argnums=0, donate_argnums=1)
     add_e = jax.jit(jaxtraj.add_env, static_argnums=0, donate_argnums=1)
-
-    def flush_in_place(plan, state):  # trajectory first: it takes the donated buffers
-        state, traj = jaxtraj.flush(plan, state, assume_complete=True)
-        return traj, state
-
-    flush = jax.jit(flush_in_place, static_argnums=0, donate_argnums=1)
+    flush = jax.jit(jaxtraj.rollout.flush, static_argnums=0, donate_argnums=(1, 3))
     steps = iter([jax.device_put(step) for step in steps_of(parts, repeats + 1)])
-    holder = {"state": jaxtraj.init(plan, pol, env)}
+    holder = {"state": jaxtraj.init(plan, pol, env), "spare": None}
 
     def collect():
         state = holder["state"]
         for p in next(steps):
             state = (add_p if isinstance(p, PolicyPart) else add_e)(plan, state, p)
-        assert bool(jaxtraj.ready(state))
-        traj, state = flush(plan, state)
+        assert bool(jaxtraj.rollout.ready(state))
+        traj, state = flush(plan, state, None, holder["spare"])
         jax.block_until_ready(traj)
-        holder["state"] = state
+        holder["state"], holder["spare"] = state, traj  # the caller is done with traj
         return traj
 
     return collect
@@ -345,51 +391,109 @@ def machine():
     }
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smaller step, fewer repeats")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument(
-        "--out", default=os.path.join(os.path.dirname(__file__), "results", "collect.json")
-    )
-    args = parser.parse_args()
-    B, T = (16, 16) if args.quick else (64, 64)
-    repeats = 2 if args.quick else args.repeats
-    parts = make_parts(B, T)
+def run_case(case, B, T, repeats):
+    """Every contender on one step of ``case`` parts, side by side."""
+    parts = make_parts(B, T, case=case)
     plan = TrajectoryPlan(num_chunks=T, batch_size=B)
     runs = {
         "memcpy": run_memcpy(parts),
+        "floor_donated_insert": run_floor(parts, T, repeats),
         "jax_copy": run_jax_copy(parts),
         "host_dict_stack": run_host_dict_stack(parts, T),
         "jaxtraj_add": run_jaxtraj_add(parts, plan, repeats),
         "jaxtraj_add_many": run_jaxtraj_add_many(parts, plan, repeats),
         "jaxtraj_jit": run_jaxtraj_jit(parts, plan, repeats),
     }
-    results = {}
+    # Interleave the contenders round by round so that they meet the same machine load.
+    times = {name: [] for name in runs}
+    first = {}
     for name, fn in runs.items():
-        t, first = timeit(fn, repeats)
-        results[name] = {"ms": t * 1e3, "first_call_ms": first * 1e3}
-    copy = results["memcpy"]["ms"]
+        t0 = time.perf_counter()
+        fn()
+        first[name] = time.perf_counter() - t0
+    for _ in range(repeats):
+        for name, fn in runs.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    results = {
+        name: {"ms": statistics.median(ts) * 1e3, "first_call_ms": first[name] * 1e3}
+        for name, ts in times.items()
+    }
+    copy, floor = results["memcpy"]["ms"], results["floor_donated_insert"]["ms"]
     for r in results.values():
         r["x_memcpy"] = r["ms"] / copy
-    report = {
-        "benchmark": "collect",
-        "machine": machine(),
-        "step": {"B": B, "T": T, "E": 1, "halves": len(parts), "bytes": nbytes(parts)},
+        r["x_floor"] = r["ms"] / floor
+    host = results["host_dict_stack"]["ms"]
+    return {
+        "step": {"case": case, **CASES[case], "B": B, "T": T, "E": 1, "halves": len(parts),
+                 "bytes": nbytes(parts)},
         "results": results,
-        "tiny_parts": tiny_overhead(repeats, halves=1024 if args.quick else 4096),
+        "facade_speedup_over_host_collector": host / results["jaxtraj_add"]["ms"],
         "memory": memory(parts, plan),
-        "capacity": capacity_scaling(repeats, large=512 if args.quick else 4096),
     }
+
+
+def single_add_us(repeats, halves=512):
+    """Microseconds per ``TrajectoryCollector.add`` of one tiny part (B = 8, no image)."""
+    B, T = 8, halves // 2
+    parts = make_parts(B, T, image=False, seed=4)
+    plan = TrajectoryPlan(num_chunks=T, batch_size=B)
+    c = jaxtraj.TrajectoryCollector(plan, *examples(parts))
+    steps = iter(steps_of(parts, repeats + 1))
+
+    def collect():
+        out = []
+        for p in next(steps):
+            out += c.add(p)
+        assert len(out) == 1
+        return block(out)
+
+    t, _ = timeit(collect, repeats)
+    return {"halves": len(parts), "us_per_add": t / len(parts) * 1e6}
+
+
+def print_case(report):
+    st = report["step"]
+    print(
+        f"\n{st['case']}: B={st['B']} T={st['T']}, image {st['image']}, {st['halves']} halves, "
+        f"{st['bytes'] / 2**20:.1f} MiB"
+    )
+    print(f"{'contender':<22}{'ms':>9}{'x memcpy':>10}{'x floor':>9}{'first ms':>10}")
+    for name, r in report["results"].items():
+        print(
+            f"{name:<22}{r['ms']:>9.2f}{r['x_memcpy']:>10.2f}{r['x_floor']:>9.2f}"
+            f"{r['first_call_ms']:>10.1f}"
+        )
+    print(f"facade speed-up over the host collector: {report['facade_speedup_over_host_collector']:.2f}x")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller steps, fewer repeats")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--B", type=int, default=64, help="environments of the bench case")
+    parser.add_argument("--T", type=int, default=64, help="chunks of the bench case")
+    parser.add_argument("--cases", default="bench,camera")
+    parser.add_argument(
+        "--out", default=os.path.join(os.path.dirname(__file__), "results", "collect.json")
+    )
+    args = parser.parse_args()
+    repeats = 2 if args.quick else args.repeats
+    sizes = {"bench": (16, 16) if args.quick else (args.B, args.T),
+             "camera": (8, 12) if args.quick else (32, 48)}
+    report = {"benchmark": "collect", "machine": machine(), "cases": {}}
+    for case in args.cases.split(","):
+        report["cases"][case] = run_case(case, *sizes[case], repeats)
+        print_case(report["cases"][case])
+    report["tiny_parts"] = tiny_overhead(repeats, halves=1024 if args.quick else 4096)
+    report["single_add"] = single_add_us(repeats)
+    report["capacity"] = capacity_scaling(repeats, large=512 if args.quick else 4096)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
     m = report["machine"]
-    print(f"collect: B={B} T={T}, {len(parts)} halves, {nbytes(parts) / 2**20:.1f} MiB")
-    print(f"machine: {m['processor']}, {m['cpu_count']} cpus, jax {m['jax']} on {m['backend']}")
-    print(f"{'collector':<18}{'ms':>10}{'x memcpy':>10}{'first call ms':>15}")
-    for name, r in results.items():
-        print(f"{name:<18}{r['ms']:>10.2f}{r['x_memcpy']:>10.2f}{r['first_call_ms']:>15.1f}")
+    print(f"\nmachine: {m['processor']}, {m['cpu_count']} cpus, jax {m['jax']} on {m['backend']}")
     tiny = report["tiny_parts"]
     for name in ("list", "stacked"):
         r = tiny[name]
@@ -397,11 +501,14 @@ def main():
             f"tiny parts (B=8, no image), add_many of {name} batches of {tiny['batch']}: "
             f"{r['us_per_half']:.2f} us/half, overhead over memcpy {r['overhead_us_per_half']:.2f} us/half"
         )
-    mem = report["memory"]
-    print(
-        f"state memory: parts {mem['parts_bytes'] / 2**20:.2f} MiB; state with transitions off "
-        f"{mem['state_bytes_off'] / 2**20:.2f} MiB, on {mem['state_bytes_on'] / 2**20:.2f} MiB"
-    )
+    print(f"tiny parts, one add per half: {report['single_add']['us_per_add']:.1f} us")
+    for case, rep in report["cases"].items():
+        mem = rep["memory"]
+        print(
+            f"state memory ({case}): parts {mem['parts_bytes'] / 2**20:.2f} MiB; state with "
+            f"transitions off {mem['state_bytes_off'] / 2**20:.2f} MiB, on "
+            f"{mem['state_bytes_on'] / 2**20:.2f} MiB"
+        )
     cap = report["capacity"]
     us = cap["us_per_insert"]
     print(

@@ -107,8 +107,10 @@ def _shape(x: Any) -> tuple[int, ...]:
 
 
 def _float_dtype(*arrays: Any) -> jnp.dtype:
-    """Compute dtype: at least float32, float64 when an input is float64."""
-    return jnp.promote_types(jnp.result_type(*arrays), jnp.float32)
+    """Compute dtype: at least float32, float64 when an input is float64 (each input's
+    dtype is read on its own: no implicit promotion between them)."""
+    wide = any(jnp.result_type(a) == jnp.float64 for a in arrays)
+    return jnp.dtype(jnp.float64) if wide else jnp.dtype(jnp.float32)
 
 
 def _check_bool(fn: str, name: str, x: Any) -> None:

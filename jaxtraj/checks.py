@@ -256,6 +256,8 @@ def key_checks(
 
 def first_error(xp: Any, checks: list[tuple[Any, ErrorCode]]) -> Any:
     """The code of the first failing check, ``ErrorCode.OK`` (0) if none fails."""
+    if xp is py:  # scalars: stop at the first failure
+        return next((int(c) for bad, c in checks if bad), 0)
     code = xp.asarray(0, dtype=np.int32)
     for bad, c in reversed(checks):
         code = xp.where(bad, xp.asarray(int(c), dtype=np.int32), code)
@@ -308,9 +310,42 @@ def finite_leaves(part: Any) -> list:
 # -- the host side ---------------------------------------------------------------------
 
 
+class Signature(NamedTuple):
+    """What a part's signature (tree, shapes, dtypes) tells the host checks, once."""
+
+    layout: Layout
+    finite: tuple[int, ...]  # leaves that nonfinite="reject" checks
+    cut: tuple[int, ...]  # leaves whose any() cuts an episode
+
+
+class _Pair:
+    """An ``xp`` that records which leaves a rule combines instead of combining them."""
+
+    @staticmethod
+    def logical_or(a: Any, b: Any) -> tuple:
+        return (a, b)
+
+
+class _Key(NamedTuple):
+    step_id: int
+    epoch_id: int
+    env_rank: int
+    stage_id: int
+    chunk_id: int
+
+
+class _Source(NamedTuple):
+    key: _Key
+    batch_size: int
+    offset: int
+
+
 class HostChecks:
     """The facade's checks: the same rules on concrete host values, against a numpy
     mirror of the coverage masks (no device sync; a rejected part changes nothing).
+
+    A part is flattened once; what its signature implies (structure, which leaves hold
+    rewards and values, which flags cut an episode) is worked out once per signature.
 
     Args:
       plan: the plan.
@@ -322,31 +357,47 @@ class HostChecks:
         self.plan, self.layout, self.sources = plan, layout, sources
         self.index = {(int(r), int(s)): i for i, (r, s) in enumerate(sources)}
         self.needs_final = layout.policy.output.prev_values is not None
-        self._seen: dict[Any, Layout] = {}  # part signature -> its structure
+        self._seen: dict[Any, Signature] = {}
 
-    def structure(self, part: Any, stacked: bool = False, key: Any = None) -> Layout:
-        """Structure check, cached by the part's signature."""
-        if not isinstance(part, (PolicyPart, EnvPart)):
-            raise CollectorError(key, ErrorCode.STRUCTURE_MISMATCH, f"not a part: {type(part)}")
-        leaves, treedef = jax.tree.flatten(part)
-        sig = (treedef, tuple([(getattr(x, "shape", None), getattr(x, "dtype", type(x)))
-                               for x in leaves]), stacked)
+    def signature(
+        self, part: Any, leaves: list, treedef: Any, stacked: bool = False, key: Any = None
+    ) -> Signature:
+        """Structure check and what follows from it, cached by the part's signature."""
+        try:  # hot: the source's seven scalars by type, the payload's arrays by shape and dtype
+            sig = (treedef, stacked, *map(type, leaves[:7]), *[(x.shape, x.dtype) for x in leaves[7:]])
+        except AttributeError:  # a payload leaf that is not an array: the slow, general path
+            sig = (treedef, stacked, *[(np.shape(x), np.result_type(x)) for x in leaves])
         found = self._seen.get(sig)
         if found is None:
+            if not isinstance(part, (PolicyPart, EnvPart)):
+                raise CollectorError(key, ErrorCode.STRUCTURE_MISMATCH, f"not a part: {type(part)}")
             view = part
             if stacked:  # check one element of the stack
                 view = jax.tree.map(
                     lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], np.asarray(x).dtype), part
                 )
             if isinstance(part, PolicyPart):
-                found = policy_structure(self.layout, view, key)
+                layout, cut = policy_structure(self.layout, view, key), ()
             else:
-                found = env_structure(self.layout, view, key)
+                layout = env_structure(self.layout, view, key)
+                probe = jax.tree.unflatten(treedef, range(len(leaves)))
+                flags = probe.transition.cut_flags(self.plan.truncation_bootstrap, _Pair)
+                cut = tuple(jax.tree.leaves(flags))
+            probe = jax.tree.unflatten(treedef, range(len(leaves)))
+            found = Signature(layout, tuple(finite_leaves(probe)), cut)
             self._seen[sig] = found
         return found
 
+    def structure(self, part: Any, stacked: bool = False, key: Any = None) -> Layout:
+        """Structure check (cached by signature)."""
+        if not isinstance(part, (PolicyPart, EnvPart)):
+            raise CollectorError(key, ErrorCode.STRUCTURE_MISMATCH, f"not a part: {type(part)}")
+        leaves, treedef = jax.tree.flatten(part)
+        return self.signature(part, leaves, treedef, stacked, key).layout
+
     def one(self, part: Any, rows_mask: np.ndarray, step: np.ndarray) -> tuple:
-        """Check one part; return ``(s, epoch, chunk, offset, layout)``.
+        """Check one part; return ``(s, epoch, chunk, offset, layout, leaves, treedef)``
+        (its flattened leaves: a source's seven, then the payload's).
 
         Args:
           rows_mask: ``[S, E, T, B]`` the mirror of this half's coverage.
@@ -356,31 +407,27 @@ class HostChecks:
         """
         if not isinstance(part, (PolicyPart, EnvPart)):
             raise CollectorError(None, ErrorCode.STRUCTURE_MISMATCH, f"not a part: {type(part)}")
-        src = part.source
-        key = tuple(int(v) if isinstance(v, (int, np.integer)) else _scalar(v)
-                    for v in src.key.fields())
-        layout = self.structure(part, False, key)
-        bs, off = _scalar(src.batch_size), _scalar(src.offset)
+        leaves, treedef = jax.tree.flatten(part)
+        key = tuple(v if type(v) is int else _scalar(v) for v in leaves[:5])
+        info = self.signature(part, leaves, treedef, False, key)
+        layout, rows = info.layout, info.layout.rows
+        bs, off = _scalar(leaves[5]), _scalar(leaves[6])
         s = self.index.get((key[2], key[3]))
         found, s = s is not None, s or 0
-        source = TrajectorySource(TrajectoryKey(*key), bs, off)
-        rules = key_checks(py, self.plan, source, layout.rows, found, int(step[s]))
+        rules = key_checks(py, self.plan, _Source(_Key(*key), bs, off), rows, found, int(step[s]))
         e, t = key[1], key[4]
         if not first_error(py, rules):
-            dup = bool(rows_mask[s, e, t, off : off + layout.rows].any())
-            rules.append((dup, ErrorCode.DUPLICATE))
+            rules.append((rows_mask[s, e, t, off : off + rows].any(), ErrorCode.DUPLICATE))
         if isinstance(part, EnvPart):
-            rules += env_checks(
-                py, self.plan, t, layout, needs_final=self.needs_final,
-                cut=bool(cut_any(np, self.plan, part)),
-            )
-        if self.plan.nonfinite == "reject":
-            finite = all(np.isfinite(np.asarray(x)).all() for x in finite_leaves(part))
+            cut = any(np.asarray(leaves[i]).any() for i in info.cut)
+            rules += env_checks(py, self.plan, t, layout, needs_final=self.needs_final, cut=cut)
+        if self.plan.nonfinite == "reject" and info.finite:
+            finite = all(np.isfinite(np.asarray(leaves[i])).all() for i in info.finite)
             rules.append((not finite, ErrorCode.NON_FINITE))
         code = first_error(py, rules)
         if code:
             raise CollectorError(key, code)
-        return s, e, t, off, layout
+        return s, e, t, off, layout, leaves, treedef
 
     def stack(self, part: Any, rows_mask: np.ndarray, step: np.ndarray) -> np.ndarray:
         """Check a stack of parts (a leading axis ``N``) and mark their rows in

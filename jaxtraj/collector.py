@@ -28,30 +28,43 @@ Items = list[tuple[str, Any]]
 
 
 class Mirror:
-    """The facade's host record of a step: coverage per half ``[S, E, T, B]``, each
-    source's training step, and the epochs flushed in the current step."""
+    """The facade's host record of a step: coverage per half ``[S, E, T, B]``, rows
+    received per source and epoch (both halves; duplicates never count, so an epoch of
+    a source is complete at ``2 * T * B``), each source's training step, and the epochs
+    flushed in the current step."""
 
     def __init__(self, plan: TrajectoryPlan, sources: np.ndarray, step_id: int):
         self.sources = sources
         self.index = {(int(r), int(s)): i for i, (r, s) in enumerate(sources)}
         shape = (len(sources), plan.num_epochs, plan.num_chunks, plan.batch_size)
         self.rows = {PolicyPart: np.zeros(shape, bool), EnvPart: np.zeros(shape, bool)}
+        self.received = np.zeros(shape[:2], np.int64)
+        self.full = 2 * plan.num_chunks * plan.batch_size
         self.step = np.full((len(sources),), step_id, np.int64)
         self.flushed = np.zeros((plan.num_epochs,), bool)
         self.last_seen = np.full((len(sources),), time.monotonic())
 
+    def mark(self, kind: type, s: int, e: int, t: int, off: int, rows: int) -> None:
+        self.rows[kind][s, e, t, off : off + rows] = True
+        self.received[s, e] += rows
+
+    def recount(self) -> None:
+        self.received = sum(r.sum(axis=(2, 3)) for r in self.rows.values())
+
     def complete(self) -> np.ndarray:
-        """``[S, E, T]`` bool: slots both halves cover."""
-        return (self.rows[PolicyPart] & self.rows[EnvPart]).all(axis=-1)
+        """``[S, E]`` bool: epochs of a source both halves cover entirely."""
+        return self.received == self.full
 
     def clear_source(self, s: int) -> None:
         for rows in self.rows.values():
             rows[s] = False
+        self.received[s] = 0
         self.step[s] += 1
 
     def clear_all(self) -> None:
         for rows in self.rows.values():
             rows[:] = False
+        self.received[:] = 0
         self.step += 1
         self.flushed[:] = False
 
@@ -212,6 +225,7 @@ class TrajectoryCollector:
         m, host = self.mirror, tree["mirror"]
         m.rows = {PolicyPart: np.array(host["policy_rows"]), EnvPart: np.array(host["env_rows"])}
         m.step, m.flushed = np.array(host["step"]), np.array(host["flushed"])
+        m.recount()
         self.current_version = int(host["current_version"])
         for i, st in enumerate(tree["states"]):
             self._store.load(i, st)
@@ -229,7 +243,7 @@ class TrajectoryCollector:
         """The state holding source ``s`` and where its slot starts in that state."""
         if self.mode.stacked:
             return 0, (s, e, t, off)
-        return (int(s[0]) if np.ndim(s) else s), (e, t, off)
+        return (s if isinstance(s, int) else int(s[0])), (e, t, off)
 
     def add(self, part: PolicyPart | EnvPart) -> Items:
         """Insert one half (or fragment); return the items of the scopes it completed.
@@ -239,15 +253,19 @@ class TrajectoryCollector:
         """
         m = self.mirror
         try:
-            s, e, t, off, layout = self._checks.one(part, m.rows.get(type(part)), m.step)
+            s, e, t, off, layout, leaves, treedef = self._checks.one(
+                part, m.rows.get(type(part)), m.step
+            )
         except CollectorError as err:
             if err.code == ErrorCode.DUPLICATE and self._identical_resend(part):
                 return []  # a restarted worker's re-send of what we have: accepted once
             raise
         i, at = self._at(s, e, t, off)
-        self._store.insert(i, at, part, layout)
-        m.rows[type(part)][s, e, t, off : off + layout.rows] = True
+        self._store.insert(i, at, leaves, treedef, layout)
+        m.mark(type(part), s, e, t, off, layout.rows)
         m.last_seen[s] = time.monotonic()
+        if m.received[s, e] < m.full:  # nothing new can be complete
+            return []
         return self._flush_complete()
 
     def add_many(self, parts: Iterable[PolicyPart | EnvPart] | PolicyPart | EnvPart) -> Items:
@@ -270,8 +288,10 @@ class TrajectoryCollector:
                 sub = group if self.mode.stacked or pick.all() else jax.tree.map(
                     lambda x, p=pick: np.asarray(x)[p], group)
                 i, at = self._at(s_of[pick], e[pick], t[pick], off[pick])
-                self._store.insert_many(i, at, sub, layout)
+                leaves, treedef = jax.tree.flatten(sub)
+                self._store.insert_many(i, at, leaves, treedef, layout)
         self.mirror.rows = rows
+        self.mirror.recount()
         self.mirror.last_seen[np.unique(np.concatenate(owners))] = time.monotonic()
         return self._flush_complete()
 

@@ -89,7 +89,7 @@ def append(
         overflow = jnp.any((c >= L) & valid)
         last = jnp.max(jnp.where(end, i, -1))
         completed = (i <= last) & valid
-        ordinal = jnp.cumsum(end) - end
+        ordinal = jnp.cumsum(end, dtype=jnp.int32) - end.astype(jnp.int32)
         episode = jnp.where(completed, ordinal, -1)
         for key in ("next.done", "next.truncated"):
             if isinstance(seq, dict) and key in seq:

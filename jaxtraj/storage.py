@@ -6,8 +6,10 @@ Two strategies with one small interface, chosen by :class:`jaxtraj.TrajectoryCol
   host staging buffers allocated 64-byte aligned; a flush hands them to the device in
   one transfer per buffer. On the CPU backend that transfer is zero-copy (JAX adopts
   aligned host memory), so a half costs one pass over its bytes and a flush none. A
-  step's staging is never written again once flushed: the next step gets fresh
-  buffers, so a trajectory handed out is never changed behind its holder's back.
+  step's staging is never written while anything else holds it: the next step gets
+  the buffers of an earlier step that nobody references any more (its trajectory was
+  dropped: no page faults, no allocation), or fresh ones. A trajectory handed out is
+  never changed behind its holder's back.
 - :class:`DeviceStorage` (parts already on an accelerator): the jitted pure inserts
   into a donated device state, as a jitted training loop would call them.
 
@@ -17,7 +19,8 @@ Coverage lives in the facade's mirror (:class:`jaxtraj.collector.Mirror`), not h
 from __future__ import annotations
 
 import functools
-from typing import Any
+import sys
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -38,6 +41,15 @@ def aligned_empty(shape: tuple, dtype: Any) -> np.ndarray:
     return raw[start : start + n].view(dtype).reshape(shape)
 
 
+class _Plan(NamedTuple):
+    """How one part structure is stored: ``(buffer, leaf, into initial)`` copies, buffers
+    that read zeros when an optional field is absent, and the ``given`` masks to set."""
+
+    copies: tuple
+    zeros: tuple
+    given: tuple
+
+
 class HostStorage:
     """Host staging buffers, one :class:`CollectorState` of numpy arrays per state.
 
@@ -52,7 +64,19 @@ class HostStorage:
     def __init__(self, layouts: list[CollectorState], groups: list[list[int]], place=None):
         self._layouts, self._groups = layouts, groups
         self._place = place or (lambda st: st)
-        self._states = [self._fresh(lay) for lay in layouts]
+        self._count = len(jax.tree.leaves((layouts[0].policy, layouts[0].env, layouts[0].initial)))
+        self._plans: dict[Any, _Plan] = {}
+        self._states: list[CollectorState] = [None] * len(layouts)
+        self._flat: list[list[np.ndarray]] = [None] * len(layouts)
+        self._given: list[tuple] = [None] * len(layouts)
+        self._spares: list[CollectorState | None] = [None] * len(layouts)
+        for i, lay in enumerate(layouts):
+            self._set(i, self._fresh(lay))
+
+    def _set(self, i: int, st: CollectorState) -> None:
+        self._states[i] = st
+        self._flat[i] = _data(st)
+        self._given[i] = (st.next_obs_given, st.next_rlt_given)
 
     @staticmethod
     def _fresh(layout: CollectorState) -> CollectorState:
@@ -66,42 +90,66 @@ class HostStorage:
             next_rlt_given=zeros(layout.next_rlt_given),
         )
 
-    def insert(self, i: int, at: tuple, part: Any, layout: Any) -> None:
-        """Copy one checked half into state ``i`` at ``at = (*prefix, e, t, offset)``."""
+    def insert(self, i: int, at: tuple, leaves: list, treedef: Any, layout: Any) -> None:
+        """Copy one checked half (its flattened ``leaves``) into state ``i`` at
+        ``at = (*prefix, e, t, offset)``: one ``np.copyto``-like write per leaf."""
         rows = at[:-1] + (slice(at[-1], at[-1] + layout.rows),)
-        self._write(self._states[i], rows, at[:-3] + (at[-3], rows[-1]), part, layout)
+        self._run(i, treedef, leaves, layout, rows, at[:-3] + (at[-3], rows[-1]))
 
-    def insert_many(self, i: int, at: tuple, parts: Any, layout: Any) -> None:
+    def insert_many(self, i: int, at: tuple, leaves: list, treedef: Any, layout: Any) -> None:
         """Copy a stack of checked halves: ``at`` holds index arrays ``[N]`` (prefix, e,
         t, offset)."""
         rows = tuple(a[:, None] for a in at[:-1]) + (at[-1][:, None] + np.arange(layout.rows),)
-        self._write(self._states[i], rows, rows[:-3] + (rows[-3], rows[-1]), parts, layout)
+        self._run(i, treedef, leaves, layout, rows, rows[:-3] + (rows[-3], rows[-1]))
 
-    @staticmethod
-    def _write(st: CollectorState, rows: tuple, initial_rows: tuple, part: Any, layout) -> None:
-        if isinstance(part, PolicyPart):
-            _copy(st.policy, part.replace(source=None), rows)
-            return
-        _copy(st.env.transition, part.transition, rows)
-        for name, given in (
+    def _run(self, i, treedef, leaves, layout, rows, initial_rows) -> None:
+        plan = self._plans.get((treedef, layout))
+        if plan is None:
+            plan = self._plans[(treedef, layout)] = self._plan(treedef, len(leaves), layout)
+        data, given = self._flat[i], self._given[i]
+        where = (rows, initial_rows)
+        for dst, src, initial in plan.copies:
+            data[dst][where[initial]] = leaves[src]
+        for dst in plan.zeros:
+            data[dst][rows] = 0
+        for j, value in plan.given:
+            given[j][rows] = value
+
+    def _plan(self, treedef: Any, n: int, layout: Any) -> _Plan:
+        """Which leaf of a part goes to which buffer, worked out once per part structure
+        on a probe whose leaves are their own indices."""
+        lay = self._layouts[0]
+        probe = jax.tree.unflatten(treedef, list(range(n)))
+        dest = jax.tree.unflatten(
+            jax.tree.structure((lay.policy, lay.env, lay.initial)), list(range(self._count))
+        )
+        d_policy, d_env, d_initial = dest
+        copies, zeros, given = [], [], []
+        pair = lambda d, x, initial=False: copies.extend(
+            (a, b, initial) for a, b in zip(jax.tree.leaves(d), jax.tree.leaves(x))
+        )
+        if isinstance(probe, PolicyPart):
+            pair(d_policy, probe.replace(source=None))
+            return _Plan(tuple(copies), (), ())
+        pair(d_env.transition, probe.transition)
+        for name, has in (
             ("final_values", layout.has_final),
             ("next_obs", layout.has_next),
             ("next_rlt_obs", layout.has_rlt),
         ):
-            buf = getattr(st.env, name)
-            if buf is None:
+            if getattr(d_env, name) is None:
                 continue
-            if given:
-                _copy(buf, getattr(part, name), rows)
+            if has:
+                pair(getattr(d_env, name), getattr(probe, name))
             else:  # absent optional fields read as zeros: no stale data
-                for b in jax.tree.leaves(buf):
-                    b[rows] = 0
-        if st.next_obs_given is not None:
-            st.next_obs_given[rows] = layout.has_next
-        if st.next_rlt_given is not None:
-            st.next_rlt_given[rows] = layout.has_rlt
+                zeros.extend(jax.tree.leaves(getattr(d_env, name)))
+        if lay.next_obs_given is not None:
+            given.append((0, layout.has_next))
+        if lay.next_rlt_given is not None:
+            given.append((1, layout.has_rlt))
         if layout.has_initial:
-            _copy(st.initial, part.initial_transition.boundary(), initial_rows)
+            pair(d_initial, probe.initial_transition.boundary(), True)
+        return _Plan(tuple(copies), tuple(zeros), tuple(given))
 
     def read(self, i: int, kind: type, at: tuple, rows: int) -> Any:
         """The stored payload of one half's rows (to compare a re-sent half with)."""
@@ -137,8 +185,16 @@ class HostStorage:
         pass  # coverage is the mirror's; the buffers are renewed when the step ends
 
     def renew(self, i: int) -> None:
-        """Fresh staging for state ``i``'s next step (the old buffers were handed out)."""
-        self._states[i] = self._fresh(self._layouts[i])
+        """Staging for state ``i``'s next step: the buffers just handed out are kept as
+        the spare, and the previous spare is reused if nothing references it any more."""
+        spare, self._spares[i] = self._spares[i], self._states[i]
+        if spare is not None and all(_unshared(x) for x in _data(spare)):
+            zero = lambda x: None if x is None else np.zeros_like(x)
+            self._set(i, spare.replace(
+                next_obs_given=zero(spare.next_obs_given), next_rlt_given=zero(spare.next_rlt_given)
+            ))
+        else:
+            self._set(i, self._fresh(self._layouts[i]))
 
     def load(self, i: int, state: CollectorState) -> None:
         """Replace state ``i``'s staging with ``state``'s data (a checkpoint)."""
@@ -147,9 +203,19 @@ class HostStorage:
                         jax.tree.leaves((state.policy, state.env, state.initial))):
             np.copyto(b, np.asarray(x))
         given = lambda x: None if x is None else np.array(x)
-        self._states[i] = fresh.replace(
+        self._set(i, fresh.replace(
             next_obs_given=given(state.next_obs_given), next_rlt_given=given(state.next_rlt_given)
-        )
+        ))
+
+
+def _data(st: CollectorState) -> list[np.ndarray]:
+    return jax.tree.leaves((st.policy, st.env, st.initial))
+
+
+def _unshared(x: np.ndarray) -> bool:
+    """Whether only ``x`` holds its memory: no device array adopted it, no view of it
+    was handed out (CPython reference count of the owning buffer)."""
+    return sys.getrefcount(x.base) <= 2  # x's own reference and the call's argument
 
 
 def _copy(buffer: Any, data: Any, index: Any) -> None:
@@ -168,10 +234,12 @@ class DeviceStorage:
         self._states = [place(st) for st in states]
         self.plan = plan
 
-    def insert(self, i: int, at: tuple, part: Any, layout: Any) -> None:
+    def insert(self, i: int, at: tuple, leaves: list, treedef: Any, layout: Any) -> None:
+        part = jax.tree.unflatten(treedef, leaves)
         self._states[i] = _ADD[type(part)](self.plan, self._states[i], part)
 
-    def insert_many(self, i: int, at: tuple, parts: Any, layout: Any) -> None:
+    def insert_many(self, i: int, at: tuple, leaves: list, treedef: Any, layout: Any) -> None:
+        parts = jax.tree.unflatten(treedef, leaves)
         self._states[i] = _ADD_MANY[type(parts)](self.plan, self._states[i], parts)
 
     def read(self, i: int, kind: type, at: tuple, rows: int) -> Any:

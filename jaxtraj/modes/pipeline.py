@@ -321,7 +321,7 @@ class Pipeline:
         return state
 
     def scopes(self, mirror) -> list[int]:
-        done = mirror.complete().all(axis=(0, 2)) & ~mirror.flushed
+        done = mirror.complete().all(axis=0) & ~mirror.flushed
         return [int(e) for e in np.flatnonzero(done)]
 
     def state_index(self, scope: int) -> int:

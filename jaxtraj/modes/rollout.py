@@ -135,7 +135,7 @@ class Rollout:
     # -- host ---------------------------------------------------------------------------
 
     def scopes(self, mirror) -> list[int]:
-        return [int(s) for s in np.flatnonzero(mirror.complete().all(axis=(1, 2)))]
+        return [int(s) for s in np.flatnonzero(mirror.complete().all(axis=1))]
 
     def state_index(self, scope: int) -> int:
         return scope
