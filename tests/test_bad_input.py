@@ -281,3 +281,33 @@ def test_add_many_is_all_or_nothing():
     assert_same(snapshot(c.state), before)
     out = c.add_many(rest)
     assert_same(out[0][1], reference(step=STEP))
+
+
+def _overlapping_fragments(sizes):
+    """Two fragments of epoch 1, chunk 2's env half whose rows overlap: rows [0, 2) and
+    the second fragment of a ``sizes`` split."""
+    v = env_part(2, 1, step=STEP)
+    return [_frag(v, [2, 2], 0), _frag(v, sizes, 1)]
+
+
+DUPLICATES_IN_ONE_BATCH = [
+    ("the same part twice", lambda rest: [rest[0], rest[1], rest[0]]),
+    ("overlapping fragments, same shape", lambda rest: _overlapping_fragments([1, 2, 1])),
+    ("overlapping fragments, other shapes", lambda rest: _overlapping_fragments([1, 3])),
+]
+
+
+@pytest.mark.parametrize(
+    "name,batch", DUPLICATES_IN_ONE_BATCH, ids=[c[0] for c in DUPLICATES_IN_ONE_BATCH]
+)
+def test_add_many_rejects_rows_repeated_within_the_batch(name, batch):
+    """Defect 15b: rows repeated within one add_many are duplicates too."""
+    c, rest = _collector()
+    before = snapshot(c.state)
+    with pytest.raises(CollectorError) as info:
+        c.add_many(batch(rest))
+    assert info.value.code == ErrorCode.DUPLICATE
+    assert_same(snapshot(c.state), before)
+    out = c.add_many(rest)
+    assert len(out) == 1
+    assert_same(out[0][1], reference(step=STEP))

@@ -148,3 +148,55 @@ def test_interventions_travel_with_their_frames():
         np.asarray(per_chunk["intervention"])[0 * T + 1, 2, 0]
         and int(np.asarray(per_chunk["intervention"]).sum()) == 1
     )
+
+
+# -- defect 2: K comes from the action chunk, not from the rewards --------------------------
+
+K3, A2 = 3, 2  # actions [B, 3, 2] with chunk-level rewards [B]
+SHORT = dataclasses.replace(LR, num_chunks=2, num_epochs=1)
+
+
+def _chunk_level(t):
+    """Chunk ``t`` of 2 with actions [B, 3, 2] and rewards [B]; every env ends at chunk 1."""
+    p = policy_part(t)
+    actions = np.arange(B * K3 * A2, dtype=np.float32).reshape(B, K3, A2) + 100 * t
+    p = p.replace(output=p.output.replace(actions=actions, prev_logprobs=-actions))
+    v = env_part(t, done_at=np.full((B,), t == 1))
+    rewards = (10 * t + np.arange(B)).astype(np.float32)
+    return p, v.replace(transition=v.transition.replace(rewards=rewards))
+
+
+def test_per_action_frames_take_k_from_the_action_chunk():
+    writer = ListWriter()
+    p0, v0 = _chunk_level(0)
+    c = jaxtraj.TrajectoryCollector(SHORT, p0, v0, writer=writer, tasks="pick")
+    items = []
+    for t in range(2):
+        for part in _chunk_level(t):
+            items += c.add(part)
+    ((_, episodes),) = items
+    assert sorted(b for b, _ in episodes) == list(range(B))
+    for b, frames in episodes:
+        assert frames["action"].shape == (2 * K3, A2)  # six frames of width 2, not 2 of 6
+        want = np.concatenate([_chunk_level(t)[0].output.actions[b] for t in range(2)])
+        np.testing.assert_array_equal(frames["action"], want)
+        # A chunk-level reward belongs to the chunk's last action.
+        reward = np.zeros((2 * K3,), np.float32)
+        reward[[K3 - 1, 2 * K3 - 1]] = [b, 10 + b]
+        np.testing.assert_array_equal(frames["next.reward"][:, 0], reward)
+        assert frames["next.done"][:, 0].tolist() == [False] * (2 * K3 - 1) + [True]
+    assert len(writer.episodes) == B
+    assert jaxtraj.lerobot.features(SHORT, p0, v0)["action"]["shape"] == [A2]
+
+
+def test_action_level_rewards_of_another_k_are_rejected():
+    p0, v0 = _chunk_level(0)
+    wrong = v0.replace(transition=v0.transition.replace(rewards=np.zeros((B, K3 - 1), np.float32)))
+    with pytest.raises(CollectorError, match="rewards") as info:
+        jaxtraj.TrajectoryCollector(SHORT, p0, wrong)
+    assert info.value.code == ErrorCode.STRUCTURE_MISMATCH
+    # Against a plan whose examples agree, the same part is rejected on arrival.
+    c = jaxtraj.TrajectoryCollector(SHORT, p0, v0)
+    with pytest.raises(CollectorError, match="rewards") as info:
+        c.add(wrong)
+    assert info.value.code == ErrorCode.STRUCTURE_MISMATCH

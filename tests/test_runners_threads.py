@@ -279,3 +279,10 @@ def test_keyboard_interrupt_in_consumer_stops_workers():
         runner.run()
     assert runner_threads() == []
     assert collector.current_step(0) + collector.current_step(1) >= 1  # the flush happened
+
+
+def test_max_batch_is_declared_on_both_runners():
+    """Defect 8: AsyncRunner serves one request per policy call, and says so."""
+    assert AsyncRunner.max_batch == 1
+    assert "max_batch" in vars(AsyncRunner)
+    assert issubclass(DecoupledRunner, AsyncRunner)
