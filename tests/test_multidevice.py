@@ -1,4 +1,5 @@
-"""Sharded pipeline mode on 8 simulated CPU devices, in its own process."""
+"""pmap over sources, and sharded pipeline mode, on 8 simulated CPU devices in their own
+process (scripts/multidevice_check.py)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).with_name("multidevice_check.py")
+SCRIPT = Path(__file__).parent / "scripts" / "multidevice_check.py"
 
 
-def test_sharded_pipeline_equals_single_device():
+def test_pmap_over_sources_and_sharded_pipeline_equal_single_device():
     env = dict(
         os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu"
     )
@@ -18,4 +19,5 @@ def test_sharded_pipeline_equals_single_device():
         [sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "pmap over sources == facade" in proc.stdout
     assert "sharded == single-device" in proc.stdout

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).with_name("multihost_check.py")
+SCRIPT = Path(__file__).parent / "scripts" / "multihost_check.py"
 
 
 def free_port() -> int:

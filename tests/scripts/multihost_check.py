@@ -20,11 +20,14 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 import jax  # noqa: E402
 
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
+# The same strict numerics as tests/conftest.py, which a subprocess does not load.
+jax.config.update("jax_numpy_rank_promotion", "raise")
+jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid)
 
 import numpy as np  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/, for helpers
 from helpers import PLAN, all_parts, env_part, policy_part  # noqa: E402
 
 import jaxtraj  # noqa: E402
