@@ -5,6 +5,7 @@ One set of small shapes is shared by all tests so the file compiles little.
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -190,17 +191,15 @@ def test_edge_lengths_and_dtypes():
 
 def test_jit_does_not_retrace(data):
     r, v, d = data
-    traces = []
 
     @jax.jit
+    @chex.assert_max_traces(n=1)
     def f(r, v, d, gamma):
-        traces.append(None)
         return gae(r, v, d, gamma=gamma, lam=LAM)
 
     out1 = f(r, v, d, jnp.float32(0.9))
     out2 = f(r + 1.0, v, ~d, jnp.float32(0.5))  # new data and a new (traced) gamma
     jax.block_until_ready((out1, out2))
-    assert len(traces) == 1
     np.testing.assert_allclose(out2[0], gae_loop(r + 1.0, v, ~d, 0.5, LAM)[0], **TOL)
 
 

@@ -3,6 +3,7 @@ with the same keys; one compiled call per training step; no retrace on the next 
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -165,11 +166,8 @@ def test_trajectory_equals_a_python_loop(five_tuple):
 
 
 def test_one_compiled_call_without_retrace():
-    traces = []
-
-    def counted_policy(params, obs, key):
-        traces.append(1)
-        return policy_fn(params, obs, key)
+    # Traced twice per trace of the step (chunk 0 and the scanned chunk body), never again.
+    counted_policy = chex.assert_max_traces(policy_fn, n=2)
 
     env, env_params, plan, state, carry = make()
     collect = sync.make_collect(plan, env, env_params, counted_policy, value_fn)
@@ -181,7 +179,6 @@ def test_one_compiled_call_without_retrace():
         steps.append(int(traj.step_id))
     jaxtraj.raise_if_error(state)
     assert steps == [0, 1, 2]  # the keys follow the collector's step
-    assert len(traces) == 2  # one trace: chunk 0 and the scanned chunk body
     assert collect._cache_size() == 1
 
     # The whole training step is one jitted program: a scan over epochs around a scan
