@@ -213,7 +213,7 @@ def block(items):
 def run_jaxtraj_add(parts, plan, repeats):
     pol, env = examples(parts)
     c = jaxtraj.TrajectoryCollector(plan, pol, env)
-    steps = iter(steps_of(parts, repeats + 1))
+    steps = iter(steps_of(parts, repeats + 2))
 
     def collect():
         out = []
@@ -228,7 +228,7 @@ def run_jaxtraj_add(parts, plan, repeats):
 def run_jaxtraj_add_many(parts, plan, repeats, batch=16):
     pol, env = examples(parts)
     c = jaxtraj.TrajectoryCollector(plan, pol, env)
-    steps = iter(steps_of(parts, repeats + 1))
+    steps = iter(steps_of(parts, repeats + 2))
 
     def collect():
         step, out = next(steps), []
@@ -259,7 +259,7 @@ def run_floor(parts, T, repeats):
         [
             [(type(p), payload(p).replace(initial_transition=None, final_values=None)
               if isinstance(p, EnvPart) else payload(p), p.source.key.chunk_id) for p in step]
-            for step in jax.device_put(steps_of(parts, repeats + 1))
+            for step in jax.device_put(steps_of(parts, repeats + 2))
         ]
     )
 
@@ -279,7 +279,7 @@ def run_jaxtraj_jit(parts, plan, repeats):
     add_p = jax.jit(jaxtraj.add_policy, static_argnums=0, donate_argnums=1)
     add_e = jax.jit(jaxtraj.add_env, static_argnums=0, donate_argnums=1)
     flush = jax.jit(jaxtraj.rollout.flush, static_argnums=0, donate_argnums=(1, 3))
-    steps = iter([jax.device_put(step) for step in steps_of(parts, repeats + 1)])
+    steps = iter([jax.device_put(step) for step in steps_of(parts, repeats + 2)])
     holder = {"state": jaxtraj.init(plan, pol, env), "spare": None}
 
     def collect():
@@ -318,7 +318,7 @@ def tiny_overhead(repeats, halves=4096, batch=256):
 
     for name, stacked in (("list", False), ("stacked", True)):
         c = jaxtraj.TrajectoryCollector(plan, pol, env)
-        steps = iter([batches_of(step, stacked) for step in steps_of(parts, repeats + 1)])
+        steps = iter([batches_of(step, stacked) for step in steps_of(parts, repeats + 2)])
 
         def collect():
             res = []
@@ -407,10 +407,11 @@ def run_case(case, B, T, repeats):
     # Interleave the contenders round by round so that they meet the same machine load.
     times = {name: [] for name in runs}
     first = {}
-    for name, fn in runs.items():
+    for name, fn in runs.items():  # first call (compiles), then one more warm-up
         t0 = time.perf_counter()
         fn()
         first[name] = time.perf_counter() - t0
+        fn()  # e.g. the jit path's flush compiles again once it has a trajectory to recycle
     for _ in range(repeats):
         for name, fn in runs.items():
             t0 = time.perf_counter()
@@ -440,7 +441,7 @@ def single_add_us(repeats, halves=512):
     parts = make_parts(B, T, image=False, seed=4)
     plan = TrajectoryPlan(num_chunks=T, batch_size=B)
     c = jaxtraj.TrajectoryCollector(plan, *examples(parts))
-    steps = iter(steps_of(parts, repeats + 1))
+    steps = iter(steps_of(parts, repeats + 2))
 
     def collect():
         out = []

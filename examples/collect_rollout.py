@@ -20,15 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxtraj
-from jaxtraj import (
-    EnvPart,
-    EnvTransition,
-    PolicyOutput,
-    PolicyPart,
-    TrajectoryKey,
-    TrajectoryPlan,
-    TrajectorySource,
-)
+from jaxtraj import EnvPart, EnvTransition, PolicyPart, TrajectoryKey, TrajectoryPlan
 
 K, A, OBS = 4, 2, 4  # actions per chunk, action dims, observation dims
 MAX_STEPS = 20  # time limit (truncation) in actions
@@ -104,25 +96,26 @@ def run_chunk(params, state, rng, key, initial_flags):
     obs = observe(state)
     rng, k1, k2 = jax.random.split(rng, 3)
     actions, logp, value = policy(params, obs, k1)
-    policy_part = PolicyPart(
-        source=TrajectorySource(key, B, 0),
+    fields = dict(zip(("step_id", "epoch_id", "env_rank", "stage_id", "chunk_id"), key.fields()))
+    policy_part = PolicyPart.at(
+        **fields,
         obs={"state": np.asarray(obs)},
-        output=PolicyOutput(
-            actions=np.asarray(actions),
-            prev_logprobs=np.asarray(logp),
-            prev_values=np.asarray(value),
-            versions=np.zeros((B,), np.int32),
-            forward_inputs={"obs": np.asarray(obs)},
-        ),
+        actions=np.asarray(actions),
+        prev_logprobs=np.asarray(logp),
+        prev_values=np.asarray(value),
+        versions=np.zeros((B,), np.int32),
+        forward_inputs={"obs": np.asarray(obs)},
     )
     state, r, term, trunc, final_obs = env_step_chunk(state, actions, k2)
     term, trunc = np.asarray(term), np.asarray(trunc)
     initial = None
     if initial_flags is not None:  # the boundary before the first action
         initial = EnvTransition(terminations=initial_flags[0], truncations=initial_flags[1])
-    env_part = EnvPart(
-        source=TrajectorySource(key, B, 0),
-        transition=EnvTransition(rewards=np.asarray(r), terminations=term, truncations=trunc),
+    env_part = EnvPart.at(
+        **fields,
+        rewards=np.asarray(r),
+        terminations=term,  # the transition's flag fields; initial_transition has the same
+        truncations=trunc,
         initial_transition=initial,
         # Terminal inference: V(final obs) bootstraps truncations; on the last chunk it
         # is also V(s_T).
@@ -146,7 +139,7 @@ def collect(args):
         flags = (np.zeros((B, K), bool), np.zeros((B, K), bool))
         for epoch in range(E):
             for chunk in range(T):
-                key = TrajectoryKey(0, epoch, rank, 0, chunk)
+                key = TrajectoryKey(step_id=0, epoch_id=epoch, env_rank=rank, stage_id=0, chunk_id=chunk)
                 policy_part, env_part, state, flags, rng = run_chunk(
                     params, state, rng, key, flags if chunk == 0 else None
                 )

@@ -89,6 +89,13 @@ def stack_parts(parts: Iterable[PolicyPart | EnvPart]) -> list[PolicyPart | EnvP
     ]
 
 
+_SMALL_PART_BYTES = 64 << 10  # add_many stacks parts smaller than this before checking
+
+
+def _payload_bytes(part: Any) -> int:
+    return sum(getattr(x, "nbytes", 8) for x in jax.tree.leaves(part))
+
+
 class TrajectoryCollector:
     """Holds the collector's state; accepts either half; flushes complete scopes.
 
@@ -272,10 +279,36 @@ class TrajectoryCollector:
         """Insert many halves: a sequence of parts, or one stacked part (a leading axis
         ``N`` on every leaf, keys included), e.g. built by a service loop.
 
-        All or nothing: every part is checked first; if one is rejected the error names
-        it and none of the batch is inserted.
+        All or nothing: every part is checked first (rows repeated within the batch are
+        duplicates too); if one is rejected the error names it and none of the batch is
+        inserted.
         """
-        groups = [parts] if isinstance(parts, (PolicyPart, EnvPart)) else stack_parts(parts)
+        if isinstance(parts, (PolicyPart, EnvPart)):
+            return self._add_stacked([parts])
+        parts = list(parts)
+        if not parts:
+            return []
+        small = _payload_bytes(parts[0]) < _SMALL_PART_BYTES
+        if not self._store.owned or small:
+            # Device storage: one jitted insert per group. Small parts: stacking them costs
+            # less than checking each on its own (a second copy of a few KiB).
+            return self._add_stacked(stack_parts(parts))
+        m = self.mirror
+        rows = {k: v.copy() for k, v in m.rows.items()}
+        checked = []
+        for n, part in enumerate(parts):
+            try:
+                found = self._checks.one(part, rows.get(type(part)), m.step)
+            except CollectorError as err:
+                raise CollectorError(err.key, err.code, f"part {n} of the batch") from None
+            s, e, t, off, layout = found[:5]
+            rows[type(part)][s, e, t, off : off + layout.rows] = True
+            checked.append(found)
+        for s, e, t, off, layout, leaves, treedef in checked:
+            self._store.insert(*self._at(s, e, t, off), leaves, treedef, layout)
+        return self._added(rows, [c[0] for c in checked])
+
+    def _add_stacked(self, groups: list) -> Items:
         rows = {k: v.copy() for k, v in self.mirror.rows.items()}
         owners = [self._checks.stack(g, rows[type(g)], self.mirror.step) for g in groups]
         for group, s_of in zip(groups, owners):
@@ -290,9 +323,12 @@ class TrajectoryCollector:
                 i, at = self._at(s_of[pick], e[pick], t[pick], off[pick])
                 leaves, treedef = jax.tree.flatten(sub)
                 self._store.insert_many(i, at, leaves, treedef, layout)
+        return self._added(rows, np.concatenate(owners).tolist())
+
+    def _added(self, rows: dict, sources: list) -> Items:
         self.mirror.rows = rows
         self.mirror.recount()
-        self.mirror.last_seen[np.unique(np.concatenate(owners))] = time.monotonic()
+        self.mirror.last_seen[sorted(set(sources))] = time.monotonic()
         return self._flush_complete()
 
     def _identical_resend(self, part: Any) -> bool:

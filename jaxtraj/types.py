@@ -203,11 +203,39 @@ class PolicyOutput:
 
 @struct.dataclass
 class PolicyPart(_Fragmentable):
-    """The policy half of a chunk: source, pre-action observation, ``PolicyOutput``."""
+    """The policy half of a chunk: source, pre-action observation, ``PolicyOutput``.
+
+    ``PolicyPart.at(chunk_id=t, obs=obs, actions=a, prev_values=v, ...)`` builds one
+    without spelling out the key, source and output.
+    """
 
     source: TrajectorySource
     obs: PyTree
     output: PolicyOutput
+
+    @classmethod
+    def at(
+        cls,
+        *,
+        chunk_id: int,
+        obs: PyTree,
+        actions: Array,
+        step_id: int = 0,
+        epoch_id: int = 0,
+        env_rank: int = 0,
+        stage_id: int = 0,
+        batch_size: int | None = None,
+        offset: int = 0,
+        **output: Any,
+    ) -> PolicyPart:
+        """A policy half from keyword key fields and ``PolicyOutput`` fields.
+
+        ``batch_size`` defaults to the rows of ``actions`` (a whole source batch at
+        ``offset`` 0); give it, with ``offset``, for a fragment.
+        """
+        key = TrajectoryKey(step_id, epoch_id, env_rank, stage_id, chunk_id)
+        rows = np.shape(actions)[0] if batch_size is None else batch_size
+        return cls(TrajectorySource(key, rows, offset), obs, PolicyOutput(actions, **output))
 
 
 @struct.dataclass
@@ -334,6 +362,42 @@ class EnvPart(_Fragmentable):
     initial_transition: EnvTransition | None = None
     final_values: Array | None = None
     next_rlt_obs: PyTree | None = None
+
+    @classmethod
+    def at(
+        cls,
+        *,
+        chunk_id: int,
+        rewards: Array,
+        step_id: int = 0,
+        epoch_id: int = 0,
+        env_rank: int = 0,
+        stage_id: int = 0,
+        batch_size: int | None = None,
+        offset: int = 0,
+        next_obs: PyTree | None = None,
+        initial_transition: EnvTransition | None = None,
+        final_values: Array | None = None,
+        next_rlt_obs: PyTree | None = None,
+        **transition: Any,
+    ) -> EnvPart:
+        """An env half from keyword key fields and ``EnvTransition`` fields
+        (``terminations``, ``truncations``, ``dones``, ...).
+
+        ``batch_size`` defaults to the rows of ``rewards``. Chunk zero carries
+        ``initial_transition`` (with the same flag fields as the transition); the last
+        chunk ``final_values``.
+        """
+        key = TrajectoryKey(step_id, epoch_id, env_rank, stage_id, chunk_id)
+        rows = np.shape(rewards)[0] if batch_size is None else batch_size
+        return cls(
+            TrajectorySource(key, rows, offset),
+            EnvTransition(rewards=rewards, **transition),
+            next_obs=next_obs,
+            initial_transition=initial_transition,
+            final_values=final_values,
+            next_rlt_obs=next_rlt_obs,
+        )
 
 
 @struct.dataclass

@@ -116,6 +116,16 @@ def key_rng(seed: int, key: TrajectoryKey) -> jax.Array:
     return _fold_key(np.int32(seed), np.asarray([int(v) for v in key.fields()], np.int32))
 
 
+_fold_keys = jax.jit(jax.vmap(_fold_key, in_axes=(None, 0)))
+
+
+def key_rngs(seed: int, keys: Sequence[TrajectoryKey]) -> dict[tuple, np.ndarray]:
+    """:func:`key_rng` of many keys in one device call, as host arrays by key tuple."""
+    fields = np.asarray([[int(v) for v in k.fields()] for k in keys], np.int32).reshape(-1, 5)
+    rngs = np.asarray(_fold_keys(np.int32(seed), fields))
+    return {tuple(f): r for f, r in zip(fields.tolist(), rngs)}
+
+
 class _Stopped(Exception):
     """Raised inside a worker when another thread asked everyone to stop."""
 
@@ -189,6 +199,7 @@ class AsyncRunner:
         self.delivered = 0
         # The buffers' layout (shapes only), to check each half in its own worker.
         self._layout = collector.layout
+        self._obs_seen: set = set()  # observation signatures already checked
         self._lead = self._layout.lead
         self._stamp = self._layout.policy.output.versions is not None
 
@@ -232,6 +243,8 @@ class AsyncRunner:
         self._stop.clear()
         self._failure = None
         self._held: list = []
+        # Every chunk's PRNG key, in one device call (not one per chunk on the hot path).
+        self._rngs = key_rngs(self.seed, [k for r in self.env_ranks for k in self.keys(r)])
         kept: list = []
         total = 2 * len(self.envs) * self.num_steps * self.plan.num_epochs * self.plan.num_chunks
         self._threads = [
@@ -326,6 +339,10 @@ class AsyncRunner:
         self.collector.check_structure(part)
 
     def _check_obs(self, obs: PyTree, key: TrajectoryKey) -> None:
+        leaves, treedef = jax.tree.flatten(obs)
+        sig = (treedef, *[(np.shape(x), getattr(x, "dtype", None)) for x in leaves])
+        if sig in self._obs_seen:
+            return
         rows = checks.check_payload(
             "observation", obs, self._layout.policy.obs, self._lead, key.as_tuple()
         )
@@ -335,6 +352,7 @@ class AsyncRunner:
                 ErrorCode.BATCH_SIZE_MISMATCH,
                 f"observation has {rows} rows, plan batch_size {self.plan.batch_size}",
             )
+        self._obs_seen.add(sig)
 
     def _env_worker(self, i: int, ctx: dict) -> None:
         name, env, rank = f"env_worker_{self.env_ranks[i]}", self.envs[i], self.env_ranks[i]
@@ -395,7 +413,7 @@ class AsyncRunner:
             obs = batch[0][2]
             if len(batch) > 1:
                 obs = jax.tree.map(lambda *xs: np.concatenate(xs), *[b[2] for b in batch])
-            output = self.policy_fn(params, obs, key_rng(self.seed, batch[0][1]))
+            output = self.policy_fn(params, obs, self._rngs[batch[0][1].as_tuple()])
             output = jax.tree.map(np.asarray, output)
             if self._stamp:
                 rows = np.shape(output.actions)[0]
