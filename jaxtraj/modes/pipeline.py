@@ -173,11 +173,14 @@ def flush(
     slot = jnp.concatenate([order, jnp.full((total - N,), N, order.dtype)])
     index = rows.at[slot].get(mode="clip")
 
-    def arrange(x):  # [total, ...] -> [R, MB, M, ...]; sample i goes to rank i % R
-        return jnp.moveaxis(x.reshape((MB, M, R) + x.shape[1:]), 2, 0)
+    def arrange(x):  # [total] -> [R, MB, M]; sample i goes to rank i % R
+        return jnp.moveaxis(x.reshape((MB, M, R)), 2, 0)
 
-    gather = lambda x: arrange(flat(x).at[index].get(mode="clip"))
-    local = lambda x: arrange(x.at[slot].get(mode="clip"))  # epoch-local [N] arrays
+    # The indices are arranged, not the data: each field is gathered once, straight
+    # into its packed [R, MB, M, ...] place (one read and one write per output byte).
+    index, slot = arrange(index), arrange(slot)
+    gather = lambda x: flat(x).at[index].get(mode="clip")
+    local = lambda x: x.at[slot].get(mode="clip")  # epoch-local [N] arrays
     mask = jnp.concatenate([valid, jnp.zeros((1,), bool)])
     per_rank = lambda v: jnp.full((R,), v, jnp.int32)
     batches = MicroBatches(
