@@ -5,8 +5,8 @@ warnings are errors (``pyproject.toml``).
 Both settings are global, set here before any test module runs, so they reach worker
 threads too (the runners'). A test marked ``standard_dtype_promotion`` runs under JAX's
 standard promotion instead (a thread-local context, the test's own thread): only the
-tests listed in ``RELAXED`` below, each with the line that needs it, until it is fixed.
-Subprocess tests (multi-device, multi-host, examples) set the same flags themselves.
+tests listed in ``RELAXED`` below, each with the reason. The multi-device and multi-host
+scripts (own processes) set the same flags themselves; the examples run as users run them.
 """
 
 import jax
@@ -15,21 +15,12 @@ import pytest
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 
-# test node id prefix -> why it needs standard dtype promotion for now.
+# test node id prefix -> why it needs standard dtype promotion.
 RELAXED = {
-    # jaxtraj/episodes.py:92 (append): `jnp.cumsum(end) - end` mixes int32 and bool.
-    "test_episodes.py::": "jaxtraj/episodes.py:92 int32 - bool",
-    "test_lerobot_mode.py::test_episodes_match_reference_across_steps": "jaxtraj/episodes.py:92",
-    "test_lerobot_mode.py::test_an_episode_crosses_the_step_boundary": "jaxtraj/episodes.py:92",
-    "test_lerobot_mode.py::test_overflow_is_an_error_or_a_truncation": "jaxtraj/episodes.py:92",
-    "test_lerobot_mode.py::test_per_action_frames_take_k_from_the_action_chunk": (
-        "jaxtraj/episodes.py:92"
-    ),
-    "test_checkpoint.py::test_pipeline_and_lerobot_state_round_trip": "jaxtraj/episodes.py:92",
-    # jaxtraj/advantages.py:111 (_float_dtype): jnp.promote_types(float16, float32).
-    "test_advantages.py::test_edge_lengths_and_dtypes": "jaxtraj/advantages.py:111 float16",
-    # optax's scale_by_adam (bias correction mixes its int32 count with floats): not ours.
-    "test_ppo.py::": "optax scale_by_adam under strict promotion",
+    # examples/ppo.py trains with optax.adam, whose bias correction (optax
+    # scale_by_adam, through optax.tree_utils) mixes an int32 count with float32
+    # under strict promotion: a third-party limit, not jaxtraj's.
+    "test_ppo.py::": "optax scale_by_adam mixes int32 and float32",
 }
 
 
