@@ -408,10 +408,10 @@ class HostChecks:
         if not isinstance(part, (PolicyPart, EnvPart)):
             raise CollectorError(None, ErrorCode.STRUCTURE_MISMATCH, f"not a part: {type(part)}")
         leaves, treedef = jax.tree.flatten(part)
-        key = tuple(v if type(v) is int else _scalar(v) for v in leaves[:5])
+        key = tuple(v if type(v) is int else _scalar(v, n) for v, n in zip(leaves[:5], _FIELDS))
         info = self.signature(part, leaves, treedef, False, key)
         layout, rows = info.layout, info.layout.rows
-        bs, off = _scalar(leaves[5]), _scalar(leaves[6])
+        bs, off = _scalar(leaves[5], "batch_size"), _scalar(leaves[6], "offset")
         s = self.index.get((key[2], key[3]))
         found, s = s is not None, s or 0
         rules = key_checks(py, self.plan, _Source(_Key(*key), bs, off), rows, found, int(step[s]))
@@ -481,11 +481,16 @@ class HostChecks:
         return s
 
 
-def _scalar(v: Any) -> int:
-    """A host integer from a key field; a non-integer raises (checked in the structure)."""
-    if isinstance(v, (int, np.integer)):
+_FIELDS = ("step_id", "epoch_id", "env_rank", "stage_id", "chunk_id")
+
+
+def _scalar(v: Any, name: str) -> int:
+    """A host integer from a source field; anything else raises, naming the field."""
+    if isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)):
         return int(v)
     a = np.asarray(v)
     if a.ndim or not np.issubdtype(a.dtype, np.integer):
-        raise CollectorError(None, ErrorCode.STRUCTURE_MISMATCH, f"key field {v!r} is not an int")
+        raise CollectorError(
+            None, ErrorCode.STRUCTURE_MISMATCH, f"source.{name} must be an integer, got {v!r}"
+        )
     return int(a)

@@ -20,73 +20,12 @@ import numpy as np
 
 from jaxtraj import checks, modes, state
 from jaxtraj.errors import CollectorError, ErrorCode
+from jaxtraj.mirror import Mirror
 from jaxtraj.plan import TrajectoryPlan
 from jaxtraj.storage import DeviceStorage, HostStorage
-from jaxtraj.types import EnvPart, PolicyPart, rows_of
+from jaxtraj.types import EnvPart, PolicyPart, rows_of, stack_parts
 
 Items = list[tuple[str, Any]]
-
-
-class Mirror:
-    """The facade's host record of a step: coverage per half ``[S, E, T, B]``, rows
-    received per source and epoch (both halves; duplicates never count, so an epoch of
-    a source is complete at ``2 * T * B``), each source's training step, and the epochs
-    flushed in the current step."""
-
-    def __init__(self, plan: TrajectoryPlan, sources: np.ndarray, step_id: int):
-        self.sources = sources
-        self.index = {(int(r), int(s)): i for i, (r, s) in enumerate(sources)}
-        shape = (len(sources), plan.num_epochs, plan.num_chunks, plan.batch_size)
-        self.rows = {PolicyPart: np.zeros(shape, bool), EnvPart: np.zeros(shape, bool)}
-        self.received = np.zeros(shape[:2], np.int64)
-        self.full = 2 * plan.num_chunks * plan.batch_size
-        self.step = np.full((len(sources),), step_id, np.int64)
-        self.flushed = np.zeros((plan.num_epochs,), bool)
-        self.last_seen = np.full((len(sources),), time.monotonic())
-
-    def mark(self, kind: type, s: int, e: int, t: int, off: int, rows: int) -> None:
-        self.rows[kind][s, e, t, off : off + rows] = True
-        self.received[s, e] += rows
-
-    def recount(self) -> None:
-        self.received = sum(r.sum(axis=(2, 3)) for r in self.rows.values())
-
-    def complete(self) -> np.ndarray:
-        """``[S, E]`` bool: epochs of a source both halves cover entirely."""
-        return self.received == self.full
-
-    def clear_source(self, s: int) -> None:
-        for rows in self.rows.values():
-            rows[s] = False
-        self.received[s] = 0
-        self.step[s] += 1
-
-    def clear_all(self) -> None:
-        for rows in self.rows.values():
-            rows[:] = False
-        self.received[:] = 0
-        self.step += 1
-        self.flushed[:] = False
-
-
-def stack_parts(parts: Iterable[PolicyPart | EnvPart]) -> list[PolicyPart | EnvPart]:
-    """Group parts by kind, structure and shape, and stack each group on the host.
-
-    Returns one stacked part per group (a leading axis on every leaf, keys included),
-    in order of first appearance: what :meth:`TrajectoryCollector.add_many` and the
-    pure ``add_policies`` / ``add_envs`` take.
-    """
-    by_sig: dict[Any, list] = {}
-    for part in parts:
-        if not isinstance(part, (PolicyPart, EnvPart)):
-            raise CollectorError(None, ErrorCode.STRUCTURE_MISMATCH, f"not a part: {type(part)}")
-        leaves, treedef = jax.tree.flatten(part)
-        sig = (treedef, tuple([getattr(x, "shape", ()) for x in leaves]))  # hot: no np.shape
-        by_sig.setdefault(sig, []).append(leaves)
-    return [
-        jax.tree.unflatten(treedef, [np.stack(xs) for xs in zip(*group)])
-        for (treedef, _), group in by_sig.items()
-    ]
 
 
 _SMALL_PART_BYTES = 64 << 10  # add_many stacks parts smaller than this before checking
@@ -145,10 +84,10 @@ class TrajectoryCollector:
         sources = [tuple(int(v) for v in s) for s in (sources or plan.default_sources())]
         self.mirror = Mirror(plan, np.asarray(sources, np.int64).reshape(-1, 2), step_id)
         n = len(sources)
-        groups = [list(range(n))] if self.mode.stacked else [[s] for s in range(n)]
+        groups = self.mode.groups(n)
         make = lambda g: state.init(
             plan, policy_example, env_example, step_id=step_id,
-            sources=[sources[s] for s in g] if self.mode.stacked else sources[g[0]],
+            sources=self.mode.state_sources(g, sources),
         )
         layouts = [jax.eval_shape(lambda g=g: make(g)) for g in groups]
         one = jax.eval_shape(lambda: state.init(plan, policy_example, env_example))
@@ -176,10 +115,7 @@ class TrajectoryCollector:
     @property
     def state(self) -> state.CollectorState:
         """Every source's state as one stacked host copy (for inspection)."""
-        states = [jax.tree.map(np.asarray, st) for st in self.states]
-        if self.mode.stacked:
-            return states[0]
-        return jax.tree.map(lambda *xs: np.stack(xs), *states)
+        return self.mode.join(list(self.states))
 
     @property
     def states(self) -> tuple[state.CollectorState, ...]:
@@ -216,24 +152,17 @@ class TrajectoryCollector:
         """Everything this collector holds, as one pytree of arrays (for checkpoints):
         the states (partial slots and fragments included), the mirror, the mode's state.
         Restore it with :meth:`load_state_dict` on a collector built alike."""
-        m = self.mirror
         return {
             "states": list(self.states),
             "mode": jax.tree.map(np.asarray, list(self._mode_states)),
-            "mirror": {
-                "policy_rows": m.rows[PolicyPart], "env_rows": m.rows[EnvPart],
-                "step": m.step, "flushed": m.flushed,
-                "current_version": np.asarray(self.current_version, np.int64),
-            },
+            "mirror": self.mirror.state_dict(),
+            "current_version": np.asarray(self.current_version, np.int64),
         }
 
     def load_state_dict(self, tree: dict[str, Any]) -> None:
         """Replace everything this collector holds with ``tree`` (from :meth:`state_dict`)."""
-        m, host = self.mirror, tree["mirror"]
-        m.rows = {PolicyPart: np.array(host["policy_rows"]), EnvPart: np.array(host["env_rows"])}
-        m.step, m.flushed = np.array(host["step"]), np.array(host["flushed"])
-        m.recount()
-        self.current_version = int(host["current_version"])
+        self.mirror.load_state_dict(tree["mirror"])
+        self.current_version = int(tree["current_version"])
         for i, st in enumerate(tree["states"]):
             self._store.load(i, st)
         self._mode_states = [jax.device_put(x) for x in tree["mode"]]
@@ -245,12 +174,6 @@ class TrajectoryCollector:
         if s is None:
             raise CollectorError(None, ErrorCode.UNKNOWN_SOURCE, f"({env_rank}, {stage_id})")
         return s
-
-    def _at(self, s: Any, e: Any, t: Any, off: Any) -> tuple[int, tuple]:
-        """The state holding source ``s`` and where its slot starts in that state."""
-        if self.mode.stacked:
-            return 0, (s, e, t, off)
-        return (s if isinstance(s, int) else int(s[0])), (e, t, off)
 
     def add(self, part: PolicyPart | EnvPart) -> Items:
         """Insert one half (or fragment); return the items of the scopes it completed.
@@ -267,7 +190,7 @@ class TrajectoryCollector:
             if err.code == ErrorCode.DUPLICATE and self._identical_resend(part):
                 return []  # a restarted worker's re-send of what we have: accepted once
             raise
-        i, at = self._at(s, e, t, off)
+        i, at = self.mode.slot(s, e, t, off)
         self._store.insert(i, at, leaves, treedef, layout)
         m.mark(type(part), s, e, t, off, layout.rows)
         m.last_seen[s] = time.monotonic()
@@ -305,7 +228,7 @@ class TrajectoryCollector:
             rows[type(part)][s, e, t, off : off + layout.rows] = True
             checked.append(found)
         for s, e, t, off, layout, leaves, treedef in checked:
-            self._store.insert(*self._at(s, e, t, off), leaves, treedef, layout)
+            self._store.insert(*self.mode.slot(s, e, t, off), leaves, treedef, layout)
         return self._added(rows, [c[0] for c in checked])
 
     def _add_stacked(self, groups: list) -> Items:
@@ -316,11 +239,10 @@ class TrajectoryCollector:
             e, t = np.asarray(keys.epoch_id), np.asarray(keys.chunk_id)
             off = np.broadcast_to(np.asarray(group.source.offset), s_of.shape)
             layout = self._checks.structure(group, True)
-            for s in np.unique(s_of):
-                pick = s_of == s if not self.mode.stacked else slice(None)
-                sub = group if self.mode.stacked or pick.all() else jax.tree.map(
-                    lambda x, p=pick: np.asarray(x)[p], group)
-                i, at = self._at(s_of[pick], e[pick], t[pick], off[pick])
+            for pick in self.mode.split(s_of):
+                whole = isinstance(pick, slice) or pick.all()
+                sub = group if whole else jax.tree.map(lambda x, p=pick: np.asarray(x)[p], group)
+                i, at = self.mode.slot(s_of[pick], e[pick], t[pick], off[pick])
                 leaves, treedef = jax.tree.flatten(sub)
                 self._store.insert_many(i, at, leaves, treedef, layout)
         return self._added(rows, np.concatenate(owners).tolist())
@@ -341,15 +263,8 @@ class TrajectoryCollector:
         rows = rows_of(part.replace(source=None))
         if not self.mirror.rows[type(part)][s, e, t, off : off + rows].all():
             return False  # a partial overlap is not a re-send
-        i, at = self._at(s, e, t, off)
-        kept = self._store.read(i, type(part), at, rows)
-        if isinstance(part, EnvPart):
-            skip = dict(initial_transition=None, next_obs=None, next_rlt_obs=None)
-            part, kept = part.replace(**skip), kept.replace(**skip)
-            if part.final_values is None:
-                part, kept = part.replace(final_values=None), kept.replace(final_values=None)
-        sent = jax.tree.leaves(part.replace(source=None))
-        return all(np.array_equal(np.asarray(a), b) for a, b in zip(sent, jax.tree.leaves(kept)))
+        i, at = self.mode.slot(s, e, t, off)
+        return self._store.holds(i, at, part, rows)
 
     # -- scopes and flushes ---------------------------------------------------------------
 
@@ -397,16 +312,7 @@ class TrajectoryCollector:
 
     def missing(self) -> list[tuple[tuple[int, ...], str, int]]:
         """What the current step still waits for: ``(key, half, rows missing)`` per slot."""
-        out, m = [], self.mirror
-        for kind, name in ((PolicyPart, "policy"), (EnvPart, "env")):
-            rows = m.rows[kind]
-            for s, e, t in zip(*np.nonzero(~rows.all(axis=-1))):
-                if m.flushed[e]:
-                    continue
-                r, st = (int(v) for v in m.sources[s])
-                out.append(((int(m.step[s]), int(e), r, st, int(t)), name,
-                            int((~rows[s, e, t]).sum())))
-        return sorted(out)
+        return self.mirror.missing()
 
     def check_stalled(self, timeout_s: float, now: float | None = None) -> None:
         """Raise if a source has parts missing and sent nothing for ``timeout_s`` seconds.
@@ -418,16 +324,4 @@ class TrajectoryCollector:
           CollectorError: ``SOURCE_TIMEOUT``, naming the stalled source and its
             missing keys.
         """
-        now = time.monotonic() if now is None else now
-        missing, m = self.missing(), self.mirror
-        waiting = {(k[2], k[3]) for k, _, _ in missing}
-        for s in np.argsort(m.last_seen, kind="stable"):  # the longest silent first
-            r, st = (int(v) for v in m.sources[s])
-            if (r, st) in waiting and now - m.last_seen[s] > timeout_s:
-                keys = [k for k, _, _ in missing if (k[2], k[3]) == (r, st)]
-                shown = ", ".join(str(k) for k in keys[:8]) + (" ..." if len(keys) > 8 else "")
-                raise CollectorError(
-                    (int(m.step[s]), -1, r, st, -1),
-                    ErrorCode.SOURCE_TIMEOUT,
-                    f"{len(keys)} halves missing after {timeout_s} s: {shown}",
-                )
+        self.mirror.check_stalled(timeout_s, time.monotonic() if now is None else now)

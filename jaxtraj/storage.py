@@ -41,6 +41,19 @@ def aligned_empty(shape: tuple, dtype: Any) -> np.ndarray:
     return raw[start : start + n].view(dtype).reshape(shape)
 
 
+def _holds(storage: Any, i: int, at: tuple, part: Any, rows: int) -> bool:
+    """Whether ``storage`` holds exactly ``part``'s data at ``at`` (a re-sent half); the
+    boundary fields that only some halves carry are compared when the part has them."""
+    kept = storage.read(i, type(part), at, rows)
+    if isinstance(part, EnvPart):
+        skip = dict(initial_transition=None, next_obs=None, next_rlt_obs=None)
+        part, kept = part.replace(**skip), kept.replace(**skip)
+        if part.final_values is None:
+            part, kept = part.replace(final_values=None), kept.replace(final_values=None)
+    sent = jax.tree.leaves(part.replace(source=None))
+    return all(np.array_equal(np.asarray(a), b) for a, b in zip(sent, jax.tree.leaves(kept)))
+
+
 class _Plan(NamedTuple):
     """How one part structure is stored: ``(buffer, leaf, into initial)`` copies, buffers
     that read zeros when an optional field is absent, and the ``given`` masks to set."""
@@ -157,6 +170,8 @@ class HostStorage:
         sl = at[:-1] + (slice(at[-1], at[-1] + rows),)
         return jax.tree.map(lambda b: b[sl], st.policy if kind is PolicyPart else st.env)
 
+    holds = _holds
+
     def device_state(self, i: int, mirror: Any) -> CollectorState:
         """State ``i`` on its devices: the staging buffers (zero-copy on the CPU backend)
         with a copy of the coverage the mirror records for its sources."""
@@ -247,6 +262,8 @@ class DeviceStorage:
         sl = at[:-1] + (slice(at[-1], at[-1] + rows),)
         tree = st.policy if kind is PolicyPart else st.env
         return jax.tree.map(lambda b: np.asarray(b[sl]), tree)
+
+    holds = _holds
 
     def device_state(self, i: int, mirror: Any) -> CollectorState:
         return self._states[i]

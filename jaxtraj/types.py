@@ -16,7 +16,7 @@ part or to a whole buffer ``[E, T, B, ...]`` alike.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import jax
@@ -400,6 +400,26 @@ class EnvPart(_Fragmentable):
         )
 
 
+def stack_parts(parts: Iterable[PolicyPart | EnvPart]) -> list[PolicyPart | EnvPart]:
+    """Group parts by kind, structure and shape, and stack each group on the host.
+
+    Returns one stacked part per group (a leading axis on every leaf, keys included),
+    in order of first appearance: what :meth:`TrajectoryCollector.add_many` and the
+    pure ``add_policies`` / ``add_envs`` take.
+    """
+    by_sig: dict[Any, list] = {}
+    for part in parts:
+        if not isinstance(part, (PolicyPart, EnvPart)):
+            raise CollectorError(None, ErrorCode.STRUCTURE_MISMATCH, f"not a part: {type(part)}")
+        leaves, treedef = jax.tree.flatten(part)
+        sig = (treedef, tuple([getattr(x, "shape", ()) for x in leaves]))  # hot: no np.shape
+        by_sig.setdefault(sig, []).append(leaves)
+    return [
+        jax.tree.unflatten(treedef, [np.stack(xs) for xs in zip(*group)])
+        for (treedef, _), group in by_sig.items()
+    ]
+
+
 @struct.dataclass
 class PolicyInput:
     """What Env sends to Rollout: the observation, a new key, and the previous chunk's ``EnvPart``."""
@@ -674,10 +694,15 @@ def trajectory_frames(
     A frame is one executed action (``per_action``: ``K`` frames per chunk) or one
     chunk. Features follow LeRobot's names: ``observation.state`` (the observation
     leaf ``state_key``), other vector observations as ``observation.<key>``,
-    ``action``, ``next.reward``, ``next.done``, ``next.truncated``, and
-    ``intervention`` when interventions are recorded. Per action, the chunk's
-    pre-action observation stands for every frame of the chunk (the chunk contract
-    carries no per-action observations); images are not exported.
+    cameras as ``observation.images.<key>``, ``action``, ``next.reward``,
+    ``next.done``, ``next.truncated``, and ``intervention`` when interventions are
+    recorded. Per action, the chunk's pre-action observation stands for every frame
+    of the chunk (the chunk contract carries no per-action observations).
+
+    Which observation leaves are exported, by their per-frame shape: ``[D]`` as a
+    vector; ``[H, W, 3]`` ``uint8`` as a camera (the images travel with the frames,
+    ``[n, B, H, W, 3]``); any other ``[H, W, C]`` leaf raises ``ValueError`` (convert
+    it to ``uint8`` RGB first); scalars and other ranks are not exported.
 
     Returns:
       ``(frames, done)``: leaves ``[n, B, ...]`` (scalars as ``[n, B, 1]``) and
@@ -687,9 +712,17 @@ def trajectory_frames(
     obs = traj.obs if isinstance(traj.obs, dict) else {state_key: traj.obs}
     frames: dict[str, Array] = {}
     for name, leaf in obs.items():
-        if leaf.ndim != 4:  # [E, T, B, D] vectors only
+        if leaf.ndim == 6:  # [E, T, B, H, W, C]: a camera
+            if leaf.dtype != jnp.uint8 or leaf.shape[-1] != 3:
+                raise ValueError(
+                    f"observation {name!r}: an image leaf [H, W, C] is exported as a camera only"
+                    f" as uint8 with C = 3, got {leaf.dtype} {list(leaf.shape[3:])}"
+                )
+            key = f"observation.images.{name}"
+        elif leaf.ndim == 4:  # [E, T, B, D]: a vector
+            key = "observation.state" if name == state_key else f"observation.{name}"
+        else:
             continue
-        key = "observation.state" if name == state_key else f"observation.{name}"
         if per_action:
             frames[key] = _flat_actions(jnp.repeat(leaf[:, :, :, None], k, axis=3))
         else:

@@ -50,7 +50,7 @@ def test_current_version_in_every_mode(mode):
     c = jaxtraj.TrajectoryCollector(plan, policy_part(0), env_part(0))
     assert c.current_version == 0
     c.current_version = 3
-    assert c.state_dict()["mirror"]["current_version"] == 3
+    assert c.state_dict()["current_version"] == 3
 
 
 def test_zero_row_fragment_is_a_no_op():

@@ -13,7 +13,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import jax
 import numpy as np
@@ -21,6 +21,7 @@ import numpy as np
 from jaxtraj import episodes as ep_lib
 from jaxtraj.errors import CollectorError, ErrorCode
 from jaxtraj.modes import rollout
+from jaxtraj.modes._layout import PerSource
 from jaxtraj.plan import TrajectoryPlan
 from jaxtraj.state import CollectorState
 from jaxtraj.state import init as init_state
@@ -43,17 +44,33 @@ def init(plan: TrajectoryPlan, state: CollectorState) -> ep_lib.EpisodeState:
     return ep_lib.init_episodes(example, plan.batch_size, plan.max_episode_length)
 
 
-def features(plan: TrajectoryPlan, policy_example, env_example) -> dict[str, dict]:
+def features(
+    plan: TrajectoryPlan, policy_example, env_example, *, cameras: str | dict[str, str] = "video"
+) -> dict[str, dict]:
     """The frame features of a run, as a LeRobot ``info.json`` declares them.
 
-    ``{name: {"dtype": ..., "shape": [D], "names": None}}``; scalars have shape ``[1]``.
+    Vectors ``{"dtype": ..., "shape": [D], "names": None}`` (scalars ``[1]``); cameras
+    (``[H, W, 3]`` uint8 observation leaves, see ``trajectory_frames``)
+    ``{"dtype": "video", "shape": [H, W, 3], "names": ["height", "width", "channels"]}``.
+
+    Args:
+      cameras: how cameras are stored: ``"video"`` (mp4, the default, as LeRobot records)
+        or ``"image"`` (PNG in the data files), for all, or a dict feature name -> kind.
     """
     state = jax.eval_shape(lambda: init_state(plan, policy_example, env_example, sources=(0, 0)))
     frames = jax.eval_shape(lambda st: init(plan, st).frames, state)
-    return {
-        name: {"dtype": str(x.dtype), "shape": [int(math.prod(x.shape[2:]))], "names": None}
-        for name, x in frames.items()
-    }
+    out = {}
+    for name, x in frames.items():
+        if name.startswith("observation.images."):
+            kind = cameras.get(name, "video") if isinstance(cameras, dict) else cameras
+            if kind not in ("video", "image"):
+                raise ValueError(f"camera {name!r}: kind must be 'video' or 'image', got {kind!r}")
+            names = ["height", "width", "channels"]
+            out[name] = {"dtype": kind, "shape": list(x.shape[2:]), "names": names}
+        else:
+            shape = [int(math.prod(x.shape[2:]))]
+            out[name] = {"dtype": str(x.dtype), "shape": shape, "names": None}
+    return out
 
 
 def flush(
@@ -74,7 +91,7 @@ def flush(
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class LeRobot:
+class LeRobot(PerSource):
     """LeRobot mode in the common form of :mod:`jaxtraj.modes`; scopes are source indices.
 
     Args:
@@ -88,7 +105,6 @@ class LeRobot:
     plan: TrajectoryPlan
     writer: Any = None
     tasks: str | Sequence[str] = "default"
-    stacked: ClassVar[bool] = False
 
     def __post_init__(self):
         B = self.plan.batch_size

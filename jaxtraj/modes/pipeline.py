@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, ClassVar
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtraj import advantages as adv_lib
 from jaxtraj.errors import ErrorCode
+from jaxtraj.modes._layout import Stacked
 from jaxtraj.plan import TrajectoryPlan
 from jaxtraj.state import CollectorState, materialize, record_error, slot_complete
 from jaxtraj.targets import trajectory_targets
@@ -281,7 +282,7 @@ def local_state(state: CollectorState) -> CollectorState:
 
 
 @dataclasses.dataclass(frozen=True)
-class Pipeline:
+class Pipeline(Stacked):
     """Pipeline mode in the common form of :mod:`jaxtraj.modes`; scopes are epochs.
 
     Args:
@@ -298,7 +299,6 @@ class Pipeline:
     mesh: Mesh | None = None
     source_axis: str = "sources"
     actor_axis: str = "actor"
-    stacked: ClassVar[bool] = True
 
     @property
     def multihost(self) -> bool:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, ClassVar
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +30,7 @@ import numpy as np
 
 from jaxtraj._forwarding import forwarding_jit
 from jaxtraj.errors import ErrorCode
+from jaxtraj.modes._layout import PerSource
 from jaxtraj.plan import TrajectoryPlan
 from jaxtraj.state import CollectorState, materialize, record_error, source_complete
 from jaxtraj.types import Trajectory, TrajectoryKey
@@ -113,12 +114,11 @@ def _recycled(state: CollectorState, traj: Trajectory, recycle: Trajectory) -> C
 
 
 @dataclasses.dataclass(frozen=True)
-class Rollout:
+class Rollout(PerSource):
     """Rollout mode in the common form of :mod:`jaxtraj.modes`; scopes are source indices."""
 
     plan: TrajectoryPlan
     queue_key: str | None = None
-    stacked: ClassVar[bool] = False
 
     # -- pure ---------------------------------------------------------------------------
 

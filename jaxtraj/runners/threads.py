@@ -32,8 +32,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 import numpy as np
@@ -41,89 +40,22 @@ import numpy as np
 from jaxtraj import checks
 from jaxtraj.collector import TrajectoryCollector
 from jaxtraj.errors import CollectorError, ErrorCode
-from jaxtraj.types import (
-    EnvPart,
-    EnvTransition,
-    PolicyOutput,
-    PolicyPart,
-    TrajectoryKey,
-    TrajectorySource,
+from jaxtraj.runners.service import (  # noqa: F401  (re-exported: the public names)
+    Consumer,
+    Env,
+    EnvStep,
+    PolicyFn,
+    RunnerError,
+    chunk_keys,
+    env_part,
+    key_rng,
+    key_rngs,
+    stamp_versions,
 )
+from jaxtraj.types import PolicyPart, TrajectoryKey, TrajectorySource
 
 PyTree = Any
 _POLL_S = 0.05
-
-
-class RunnerError(RuntimeError):
-    """A runner worker failed; every thread was stopped.
-
-    Attributes:
-      worker: the failing worker's name (``"env_worker_2"``, ``"policy_worker"``,
-        ``"consumer"``).
-      key: the ``(step_id, epoch_id, env_rank, stage_id, chunk_id)`` it was working on,
-        or ``None``.
-      cause: the original exception (also ``__cause__``).
-      delivered: how many flushed items were delivered before the failure.
-    """
-
-    def __init__(self, worker: str, key: tuple | None, cause: BaseException, delivered: int = 0):
-        self.worker, self.key, self.cause, self.delivered = worker, key, cause, delivered
-        super().__init__(f"{worker} failed at key {key}: {type(cause).__name__}: {cause}")
-
-
-@dataclass(frozen=True)
-class EnvStep:
-    """What an environment returns for one executed chunk.
-
-    Attributes:
-      transition: the chunk's :class:`EnvTransition` (rewards, flags, ...), rows ``[B]``.
-      obs: the observation the next chunk's policy sees (after any auto-reset).
-      final_values: ``[B]`` ``V(final obs)`` from terminal inference (required on the
-        last chunk of an epoch and on chunks that truncate, when the plan has values).
-      next_obs: an explicit post-action observation (terminal boundary override).
-    """
-
-    transition: EnvTransition
-    obs: PyTree
-    final_values: Any = None
-    next_obs: PyTree = None
-
-
-class Env(Protocol):
-    """One environment rank: ``B`` vectorised environments (host callables)."""
-
-    def reset(self) -> PyTree:
-        """The first observation, leaves ``[B, ...]``."""
-
-    def step(self, key: TrajectoryKey, actions: Any) -> EnvStep:
-        """Execute one action chunk ``[B, K, A]`` for chunk ``key``."""
-
-
-PolicyFn = Callable[[Any, PyTree, jax.Array], PolicyOutput]
-
-
-@jax.jit
-def _fold_key(seed: jax.Array, fields: jax.Array) -> jax.Array:
-    rng = jax.random.PRNGKey(seed)
-    for i in range(5):
-        rng = jax.random.fold_in(rng, fields[i])
-    return rng
-
-
-def key_rng(seed: int, key: TrajectoryKey) -> jax.Array:
-    """The PRNG key of a chunk: ``seed`` folded with every field of ``key`` (one device
-    call, independent of arrival order)."""
-    return _fold_key(np.int32(seed), np.asarray([int(v) for v in key.fields()], np.int32))
-
-
-_fold_keys = jax.jit(jax.vmap(_fold_key, in_axes=(None, 0)))
-
-
-def key_rngs(seed: int, keys: Sequence[TrajectoryKey]) -> dict[tuple, np.ndarray]:
-    """:func:`key_rng` of many keys in one device call, as host arrays by key tuple."""
-    fields = np.asarray([[int(v) for v in k.fields()] for k in keys], np.int32).reshape(-1, 5)
-    rngs = np.asarray(_fold_keys(np.int32(seed), fields))
-    return {tuple(f): r for f, r in zip(fields.tolist(), rngs)}
 
 
 class _Stopped(Exception):
@@ -196,7 +128,7 @@ class AsyncRunner:
         self._replies = [queue.Queue(1) for _ in self.envs]
         self._threads: list[threading.Thread] = []
         self.max_qsize = {"requests": 0, "parts": 0, "replies": 0}
-        self.delivered = 0
+        self._consumer = Consumer(collector, on_flush, output_queue)
         # The buffers' layout (shapes only), to check each half in its own worker.
         self._layout = collector.layout
         self._obs_seen: set = set()  # observation signatures already checked
@@ -204,6 +136,11 @@ class AsyncRunner:
         self._stamp = self._layout.policy.output.versions is not None
 
     # -- public ----------------------------------------------------------------------
+
+    @property
+    def delivered(self) -> int:
+        """How many flushed items the last :meth:`run` delivered."""
+        return self._consumer.delivered
 
     @property
     def version(self) -> int:
@@ -221,13 +158,7 @@ class AsyncRunner:
 
     def keys(self, env_rank: int) -> list[TrajectoryKey]:
         """The keys env rank ``env_rank`` produces, in order."""
-        p = self.plan
-        return [
-            TrajectoryKey(s, e, env_rank, self.stage_id, t)
-            for s in range(self.step_id, self.step_id + self.num_steps)
-            for e in range(p.num_epochs)
-            for t in range(p.num_chunks)
-        ]
+        return chunk_keys(self.plan, env_rank, self.step_id, self.num_steps, self.stage_id)
 
     def run(self) -> list[tuple[str, Any]]:
         """Collect ``num_steps`` training steps; block until done.
@@ -242,10 +173,9 @@ class AsyncRunner:
         """
         self._stop.clear()
         self._failure = None
-        self._held: list = []
+        self._consumer = consumer = Consumer(self.collector, self.on_flush, self.output_queue)
         # Every chunk's PRNG key, in one device call (not one per chunk on the hot path).
         self._rngs = key_rngs(self.seed, [k for r in self.env_ranks for k in self.keys(r)])
-        kept: list = []
         total = 2 * len(self.envs) * self.num_steps * self.plan.num_epochs * self.plan.num_chunks
         self._threads = [
             threading.Thread(
@@ -274,19 +204,19 @@ class AsyncRunner:
                 except queue.Empty:
                     continue
                 received += 1
-                self._consume(worker, part, kept)
+                consumer.consume(worker, part)
         except BaseException as exc:  # KeyboardInterrupt included
             self._fail("consumer", None, exc)
         finally:
             self._stop.set()
             self._join()
         if self._failure is not None:
-            self._drain(kept)
+            self._drain()
             worker, key, exc = self._failure
             if isinstance(exc, KeyboardInterrupt):
                 raise exc
             raise RunnerError(worker, key, exc, self.delivered) from exc
-        return kept
+        return consumer.kept
 
     # -- workers ---------------------------------------------------------------------
 
@@ -374,23 +304,9 @@ class AsyncRunner:
                 # while the environment executes this chunk.
                 self._put(self._requests, (i, keys[n + 1], obs), "requests")
             out = env.step(key, actions)
-            if not isinstance(out, EnvStep):
-                raise TypeError(f"env.step must return an EnvStep, got {type(out).__name__}")
+            # Decoupled: an explicit boundary, the next policy saw a stale observation.
+            part = env_part(self.plan, key, out, prev, out.obs if self.pipelined else None)
             self._check_obs(out.obs, key)
-            initial = None
-            if int(key.chunk_id) == 0:
-                flags = prev if prev is not None else jax.tree.map(np.zeros_like, out.transition)
-                initial = flags.boundary()
-            next_obs = out.next_obs
-            if self.pipelined and next_obs is None:
-                next_obs = out.obs  # explicit boundary: the next policy saw a stale one
-            part = EnvPart(
-                source=TrajectorySource(key, self.plan.batch_size, 0),
-                transition=out.transition,
-                next_obs=next_obs,
-                initial_transition=initial,
-                final_values=out.final_values,
-            )
             self._check(part, key)
             self._publish(name, part, rand)
             obs, prev = out.obs, out.transition
@@ -414,10 +330,7 @@ class AsyncRunner:
             if len(batch) > 1:
                 obs = jax.tree.map(lambda *xs: np.concatenate(xs), *[b[2] for b in batch])
             output = self.policy_fn(params, obs, self._rngs[batch[0][1].as_tuple()])
-            output = jax.tree.map(np.asarray, output)
-            if self._stamp:
-                rows = np.shape(output.actions)[0]
-                output = output.replace(versions=np.full((rows,), version, np.int32))
+            output = stamp_versions(output, version, self._stamp)
             bsz = self.plan.batch_size
             for j, (i, key, o) in enumerate(batch):
                 ctx["key"] = key
@@ -431,35 +344,7 @@ class AsyncRunner:
 
     # -- consumer --------------------------------------------------------------------
 
-    def _consume(self, worker: str, part: Any, kept: list) -> None:
-        key = part.source.key
-        try:
-            current = self.collector.current_step(int(key.env_rank), int(key.stage_id))
-            if int(key.step_id) > current:
-                # The next step's half arrived before this step flushed (pipelined
-                # inference): hold it until its step is the current one.
-                self._held.append((worker, part))
-                return
-            items = self.collector.add(part)
-        except CollectorError as exc:
-            raise RunnerError(worker, key.as_tuple(), exc, self.delivered) from exc
-        for item in items:
-            self._deliver(item, kept)
-        if items and self._held:
-            held, self._held = self._held, []
-            for w, p in held:
-                self._consume(w, p, kept)
-
-    def _deliver(self, item: tuple[str, Any], kept: list) -> None:
-        if self.on_flush is not None:
-            self.on_flush(*item)
-        elif self.output_queue is not None:
-            self.output_queue.put(item)
-        else:
-            kept.append(item)
-        self.delivered += 1
-
-    def _drain(self, kept: list) -> None:
+    def _drain(self) -> None:
         """After a failure: insert the parts healthy workers already published."""
         while True:
             try:
@@ -467,7 +352,7 @@ class AsyncRunner:
             except queue.Empty:
                 return
             try:
-                self._consume(worker, part, kept)
+                self._consumer.consume(worker, part)
             except Exception:  # the first failure is the one reported
                 return
 

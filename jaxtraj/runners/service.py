@@ -1,0 +1,215 @@
+"""The service-loop contract every host runner shares: one contract, several transports.
+
+A host runner (threads in one process, :mod:`jaxtraj.runners.threads`; Ray actors across
+machines, :mod:`jaxtraj.runners.ray`) moves the same two halves of a chunk from its
+producers to one consumer that feeds a :class:`~jaxtraj.TrajectoryCollector`. What does
+not depend on the transport lives here:
+
+- the environment protocol (:class:`Env`, :class:`EnvStep`) and the policy signature;
+- the keys an env rank produces, in order (:func:`chunk_keys`);
+- key-derived randomness (:func:`key_rng`, :func:`key_rngs`): a chunk's PRNG key depends
+  on its key alone, never on arrival order or on which process computed it, so every
+  transport produces the same trajectories;
+- how an :class:`EnvStep` becomes an :class:`EnvPart` (:func:`env_part`: chunk 0 carries
+  the previous chunk's boundary flags) and how a policy output is stamped with the model
+  version (:func:`stamp_versions`);
+- the consumer (:class:`Consumer`): holds a next-step half until its step is current,
+  delivers flushed items to ``on_flush``, an output queue or a list, and turns a rejected
+  half into :class:`RunnerError` naming the worker and the key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import jax
+import numpy as np
+
+from jaxtraj.collector import TrajectoryCollector
+from jaxtraj.errors import CollectorError
+from jaxtraj.plan import TrajectoryPlan
+from jaxtraj.types import EnvPart, EnvTransition, PolicyOutput, TrajectoryKey, TrajectorySource
+
+PyTree = Any
+
+
+class RunnerError(RuntimeError):
+    """A runner worker failed; every worker was stopped.
+
+    Attributes:
+      worker: the failing worker's name (``"env_worker_2"``, ``"policy_worker"``,
+        ``"consumer"``).
+      key: the ``(step_id, epoch_id, env_rank, stage_id, chunk_id)`` it was working on,
+        or ``None``.
+      cause: the original exception (also ``__cause__``).
+      delivered: how many flushed items were delivered before the failure.
+    """
+
+    def __init__(self, worker: str, key: tuple | None, cause: BaseException, delivered: int = 0):
+        self.worker, self.key, self.cause, self.delivered = worker, key, cause, delivered
+        super().__init__(f"{worker} failed at key {key}: {type(cause).__name__}: {cause}")
+
+
+@dataclass(frozen=True)
+class EnvStep:
+    """What an environment returns for one executed chunk.
+
+    Attributes:
+      transition: the chunk's :class:`EnvTransition` (rewards, flags, ...), rows ``[B]``.
+      obs: the observation the next chunk's policy sees (after any auto-reset).
+      final_values: ``[B]`` ``V(final obs)`` from terminal inference (required on the
+        last chunk of an epoch and on chunks that truncate, when the plan has values).
+      next_obs: an explicit post-action observation (terminal boundary override).
+    """
+
+    transition: EnvTransition
+    obs: PyTree
+    final_values: Any = None
+    next_obs: PyTree = None
+
+
+class Env(Protocol):
+    """One environment rank: ``B`` vectorised environments (host callables)."""
+
+    def reset(self) -> PyTree:
+        """The first observation, leaves ``[B, ...]``."""
+
+    def step(self, key: TrajectoryKey, actions: Any) -> EnvStep:
+        """Execute one action chunk ``[B, K, A]`` for chunk ``key``."""
+
+
+PolicyFn = Callable[[Any, PyTree, jax.Array], PolicyOutput]
+
+
+@jax.jit
+def _fold_key(seed: jax.Array, fields: jax.Array) -> jax.Array:
+    rng = jax.random.PRNGKey(seed)
+    for i in range(5):
+        rng = jax.random.fold_in(rng, fields[i])
+    return rng
+
+
+def key_rng(seed: int, key: TrajectoryKey) -> jax.Array:
+    """The PRNG key of a chunk: ``seed`` folded with every field of ``key`` (one device
+    call, independent of arrival order)."""
+    return _fold_key(np.int32(seed), np.asarray([int(v) for v in key.fields()], np.int32))
+
+
+_fold_keys = jax.jit(jax.vmap(_fold_key, in_axes=(None, 0)))
+
+
+def key_rngs(seed: int, keys: Sequence[TrajectoryKey]) -> dict[tuple, np.ndarray]:
+    """:func:`key_rng` of many keys in one device call, as host arrays by key tuple."""
+    fields = np.asarray([[int(v) for v in k.fields()] for k in keys], np.int32).reshape(-1, 5)
+    rngs = np.asarray(_fold_keys(np.int32(seed), fields))
+    return {tuple(f): r for f, r in zip(fields.tolist(), rngs)}
+
+
+def chunk_keys(
+    plan: TrajectoryPlan, env_rank: int, step_id: int, num_steps: int, stage_id: int = 0
+) -> list[TrajectoryKey]:
+    """The keys env rank ``env_rank`` produces over ``num_steps`` steps, in order."""
+    return [
+        TrajectoryKey(s, e, env_rank, stage_id, t)
+        for s in range(step_id, step_id + num_steps)
+        for e in range(plan.num_epochs)
+        for t in range(plan.num_chunks)
+    ]
+
+
+def env_part(
+    plan: TrajectoryPlan,
+    key: TrajectoryKey,
+    out: EnvStep,
+    prev: EnvTransition | None,
+    next_obs: PyTree = None,
+) -> EnvPart:
+    """The env half of chunk ``key`` from what the environment returned.
+
+    Chunk 0 of an epoch carries ``initial_transition``: the boundary flags of the
+    environment's previous chunk ``prev`` (zeros before the first chunk of a run).
+
+    Args:
+      next_obs: an explicit boundary observation when ``out.next_obs`` is ``None``
+        (the decoupled runner passes ``out.obs``: its next policy saw a stale one).
+    """
+    if not isinstance(out, EnvStep):
+        raise TypeError(f"env.step must return an EnvStep, got {type(out).__name__}")
+    initial = None
+    if int(key.chunk_id) == 0:
+        flags = prev if prev is not None else jax.tree.map(np.zeros_like, out.transition)
+        initial = flags.boundary()
+    return EnvPart(
+        source=TrajectorySource(key, plan.batch_size, 0),
+        transition=out.transition,
+        next_obs=out.next_obs if out.next_obs is not None else next_obs,
+        initial_transition=initial,
+        final_values=out.final_values,
+    )
+
+
+def stamp_versions(output: PolicyOutput, version: int, stamp: bool = True) -> PolicyOutput:
+    """``output`` as host arrays, ``versions`` set to ``version`` on every row (when the
+    plan keeps versions: ``stamp``)."""
+    output = jax.tree.map(np.asarray, output)
+    if stamp:
+        rows = np.shape(output.actions)[0]
+        output = output.replace(versions=np.full((rows,), version, np.int32))
+    return output
+
+
+class Consumer:
+    """The one place that touches the collector: inserts halves, delivers flushed items.
+
+    A half of step ``s + 1`` that arrives before its source flushed step ``s`` (pipelined
+    inference, or a fast worker) is held and inserted once its step is current.
+
+    Args:
+      collector: the collector to feed (not thread-safe: one consumer only).
+      on_flush: ``on_flush(queue_key, item)`` per flushed item; else
+        ``output_queue.put((queue_key, item))``; else the items are kept in :attr:`kept`.
+    """
+
+    def __init__(
+        self,
+        collector: TrajectoryCollector,
+        on_flush: Callable[[str, Any], None] | None = None,
+        output_queue: Any = None,
+    ):
+        self.collector, self.on_flush, self.output_queue = collector, on_flush, output_queue
+        self.kept: list[tuple[str, Any]] = []
+        self.held: list[tuple[str, Any]] = []
+        self.delivered = 0
+
+    def consume(self, worker: str, part: Any) -> None:
+        """Insert one half from ``worker``; deliver what it completed.
+
+        Raises:
+          RunnerError: the collector rejected the half (nothing changed).
+        """
+        key = part.source.key
+        try:
+            current = self.collector.current_step(int(key.env_rank), int(key.stage_id))
+            if int(key.step_id) > current:
+                self.held.append((worker, part))
+                return
+            items = self.collector.add(part)
+        except CollectorError as exc:
+            raise RunnerError(worker, key.as_tuple(), exc, self.delivered) from exc
+        for item in items:
+            self.deliver(item)
+        if items and self.held:
+            held, self.held = self.held, []
+            for w, p in held:
+                self.consume(w, p)
+
+    def deliver(self, item: tuple[str, Any]) -> None:
+        if self.on_flush is not None:
+            self.on_flush(*item)
+        elif self.output_queue is not None:
+            self.output_queue.put(item)
+        else:
+            self.kept.append(item)
+        self.delivered += 1
