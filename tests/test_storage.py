@@ -98,3 +98,25 @@ def test_recycle_must_be_a_trajectory_of_the_plan():
     state = jaxtraj.init(PLAN, policy_part(0), env_part(0), sources=(0, 0))
     with pytest.raises(ValueError, match="recycle"):
         functools.partial(jaxtraj.rollout.flush, PLAN)(state, None, {"x": np.zeros(3)})
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="zero-copy adoption is the CPU client's")
+def test_staging_is_reused_only_once_nothing_holds_it():
+    c = jaxtraj.TrajectoryCollector(PLAN, policy_part(0), env_part(0), storage="host")
+    staged = []
+
+    def step(k):
+        staged.append(pointer(c.states[0].policy.obs["image"]))
+        (traj,) = [t for p in all_parts(0, step=k) for _, t in c.add(p)]
+        return traj
+
+    held = step(0)  # kept by the caller
+    kept = jax.tree.map(np.array, held)
+    dropped = step(1)
+    del dropped  # the caller is done with step 1's trajectory
+    step(2)
+    step(3)
+    # Step 0's buffers were never reused while held; step 1's came back for step 3.
+    assert staged[0] not in staged[1:]
+    assert staged[3] == staged[1]
+    assert_same(held, kept)
