@@ -32,11 +32,16 @@ from jaxtraj.types import EnvPart, PolicyPart
 _ALIGN = 64  # bytes: what XLA's CPU client needs to adopt host memory without a copy
 
 
-def aligned_empty(shape: tuple, dtype: Any) -> np.ndarray:
-    """An uninitialised array whose data starts on a 64-byte boundary."""
+def aligned_zeros(shape: tuple, dtype: Any) -> np.ndarray:
+    """A zeroed array whose data starts on a 64-byte boundary.
+
+    Zeroed by ``calloc``: fresh pages arrive zero from the kernel at first touch, so
+    this costs no more than uninitialised memory, and no slot ever holds bytes that are
+    not a valid value of its dtype (a bool is 0 or 1).
+    """
     dtype = np.dtype(dtype)
     n = int(np.prod(shape)) * dtype.itemsize
-    raw = np.empty(n + _ALIGN, np.uint8)
+    raw = np.zeros(n + _ALIGN, np.uint8)
     start = (-raw.ctypes.data) % _ALIGN
     return raw[start : start + n].view(dtype).reshape(shape)
 
@@ -93,7 +98,7 @@ class HostStorage:
 
     @staticmethod
     def _fresh(layout: CollectorState) -> CollectorState:
-        data = lambda tree: jax.tree.map(lambda x: aligned_empty(x.shape, x.dtype), tree)
+        data = lambda tree: jax.tree.map(lambda x: aligned_zeros(x.shape, x.dtype), tree)
         zeros = lambda x: None if x is None else np.zeros(x.shape, x.dtype)
         return layout.replace(
             policy=data(layout.policy),
@@ -212,14 +217,28 @@ class HostStorage:
             self._set(i, self._fresh(self._layouts[i]))
 
     def load(self, i: int, state: CollectorState) -> None:
-        """Replace state ``i``'s staging with ``state``'s data (a checkpoint)."""
-        fresh = self._fresh(self._layouts[i])
-        for b, x in zip(jax.tree.leaves((fresh.policy, fresh.env, fresh.initial)),
-                        jax.tree.leaves((state.policy, state.env, state.initial))):
-            np.copyto(b, np.asarray(x))
+        """Replace state ``i``'s staging with ``state``'s data (a checkpoint). Host arrays
+        that can serve as staging (aligned, writable, of the layout's shape and dtype) are
+        adopted as they are; anything else is copied into fresh staging."""
+        lay = self._layouts[i]
+        tree = jax.tree.structure((lay.policy, lay.env, lay.initial))
+
+        def adopt(want, x):
+            if (isinstance(x, np.ndarray) and x.flags.writeable and x.flags.c_contiguous
+                    and x.ctypes.data % _ALIGN == 0 and x.shape == want.shape
+                    and x.dtype == want.dtype):
+                return x
+            out = aligned_zeros(want.shape, want.dtype)
+            np.copyto(out, np.asarray(x))
+            return out
+
+        data = [adopt(w, x) for w, x in zip(jax.tree.leaves((lay.policy, lay.env, lay.initial)),
+                                           jax.tree.leaves((state.policy, state.env, state.initial)))]
+        policy, env, initial = jax.tree.unflatten(tree, data)
         given = lambda x: None if x is None else np.array(x)
-        self._set(i, fresh.replace(
-            next_obs_given=given(state.next_obs_given), next_rlt_given=given(state.next_rlt_given)
+        self._set(i, lay.replace(
+            policy=policy, env=env, initial=initial,
+            next_obs_given=given(state.next_obs_given), next_rlt_given=given(state.next_rlt_given),
         ))
 
 

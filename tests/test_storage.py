@@ -11,15 +11,16 @@ from helpers import PLAN, all_parts, assert_same, env_part, policy_part, referen
 
 import jaxtraj
 from jaxtraj import CollectorError, ErrorCode
-from jaxtraj.storage import aligned_empty
+from jaxtraj.storage import aligned_zeros
 
 pointer = lambda x: np.asarray(x).ctypes.data  # zero-copy view of a CPU array
 
 
 def test_staging_is_aligned_for_zero_copy_transfer():
     for shape, dtype in (((3, 5), np.float32), ((7,), np.uint8), ((2, 3, 4), np.int64)):
-        a = aligned_empty(shape, dtype)
+        a = aligned_zeros(shape, dtype)
         assert a.shape == shape and a.dtype == dtype and a.ctypes.data % 64 == 0
+        assert not a.any()
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="zero-copy adoption is the CPU client's")
