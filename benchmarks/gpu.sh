@@ -155,7 +155,7 @@ run gae 150 "$PY" benchmarks/gae.py --sizes "$GAE_SIZES" "${GAE_OPTS[@]}" \
 run gae_large 120 "$PY" benchmarks/gae.py --sizes "$GAE_BIG" "${GAE_OPTS[@]}" \
     --peers "jaxtraj,rlax,lax.scan (Brax),copy (jax)" --cold-sets 2 --out "$OUT/gae_large.json"
 
-# collect.py: --B/--T are being added to it.
+# collect.py: --B/--T size the "bench" case; the "camera" case (B = 32, T = 48) runs too.
 run collect 45 "$PY" benchmarks/collect.py --B "$B" --T "$T" "${QUICK[@]}" \
     --out "$OUT/collect.json"
 

@@ -111,7 +111,7 @@ def bench(B: int, T: int, K: int, repeats: int) -> dict:
             else:
                 (state, _), dt = timed(collect_c, state, carry, params)
                 t_collect.append(dt)
-                (state, traj), dt = timed(flush, plan, state)
+                (traj, state), dt = timed(flush, plan, state)
                 t_flush.append(dt)
                 del traj
     jaxtraj.raise_if_error(state)
