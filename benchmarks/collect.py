@@ -22,7 +22,9 @@ contender once, so they meet the same load on a shared machine):
 - ``jaxtraj_add``: ``TrajectoryCollector.add`` per numpy half, then the flush;
 - ``jaxtraj_add_many``: ``TrajectoryCollector.add_many`` in batches of 16 halves;
 - ``jaxtraj_jit``: the pure jitted functions on parts already on the device, and a
-  flush that recycles the previous step's trajectory.
+  flush that recycles the previous step's trajectory;
+- ``jaxtraj_jit_stacked``: the same with parts handed over stacked, 16 halves per
+  batch (``add_policies`` / ``add_envs``).
 
 More figures: per-half overhead of batched inserts of tiny parts (B = 8, no image),
 one ``add`` of a tiny part, and insert time at a capacity of 4096 chunks against 64.
@@ -295,6 +297,34 @@ def run_jaxtraj_jit(parts, plan, repeats):
     return collect
 
 
+def run_jaxtraj_jit_stacked(parts, plan, repeats, batch=16):
+    """The pure functions on parts a service loop hands over already stacked on device
+    (``add_policies`` / ``add_envs``: one dispatch per batch of like halves), then the
+    recycling flush."""
+    pol, env = examples(parts)
+    add = {
+        PolicyPart: jax.jit(jaxtraj.add_policies, static_argnums=0, donate_argnums=1),
+        EnvPart: jax.jit(jaxtraj.add_envs, static_argnums=0, donate_argnums=1),
+    }
+    flush = jax.jit(jaxtraj.rollout.flush, static_argnums=0, donate_argnums=(1, 3))
+    steps = iter([
+        jax.device_put([g for i in range(0, len(step), batch) for g in stack_parts(step[i : i + batch])])
+        for step in steps_of(parts, repeats + 2)
+    ])
+    holder = {"state": jaxtraj.init(plan, pol, env), "spare": None}
+
+    def collect():
+        state = holder["state"]
+        for group in next(steps):
+            state = add[type(group)](plan, state, group)
+        traj, state = flush(plan, state, None, holder["spare"])
+        jax.block_until_ready(traj)
+        holder["state"], holder["spare"] = state, traj
+        return traj
+
+    return collect
+
+
 def tiny_overhead(repeats, halves=4096, batch=256):
     """Microseconds per half of batched inserts of tiny parts (B = 8, no image).
 
@@ -403,6 +433,7 @@ def run_case(case, B, T, repeats):
         "jaxtraj_add": run_jaxtraj_add(parts, plan, repeats),
         "jaxtraj_add_many": run_jaxtraj_add_many(parts, plan, repeats),
         "jaxtraj_jit": run_jaxtraj_jit(parts, plan, repeats),
+        "jaxtraj_jit_stacked": run_jaxtraj_jit_stacked(parts, plan, repeats),
     }
     # Interleave the contenders round by round so that they meet the same machine load.
     times = {name: [] for name in runs}
