@@ -429,6 +429,25 @@ class HostChecks:
             raise CollectorError(key, code)
         return s, e, t, off, layout, leaves, treedef
 
+    def many(self, parts: list, rows: dict, step: np.ndarray) -> list[tuple]:
+        """Check parts one after another against ``rows`` (the mirror's coverage per half,
+        a copy: marked as they pass, so rows repeated within the batch are duplicates);
+        return what :meth:`one` returns for each.
+
+        Raises:
+          CollectorError: for the first rejected part, naming its place in the batch.
+        """
+        checked = []
+        for n, part in enumerate(parts):
+            try:
+                found = self.one(part, rows.get(type(part)), step)
+            except CollectorError as err:
+                raise CollectorError(err.key, err.code, f"part {n} of the batch") from None
+            s, e, t, off, layout = found[:5]
+            rows[type(part)][s, e, t, off : off + layout.rows] = True
+            checked.append(found)
+        return checked
+
     def stack(self, part: Any, rows_mask: np.ndarray, step: np.ndarray) -> np.ndarray:
         """Check a stack of parts (a leading axis ``N``) and mark their rows in
         ``rows_mask``; return their source indices ``[N]``.

@@ -22,17 +22,10 @@ from jaxtraj import checks, modes, state
 from jaxtraj.errors import CollectorError, ErrorCode
 from jaxtraj.mirror import Mirror
 from jaxtraj.plan import TrajectoryPlan
-from jaxtraj.storage import DeviceStorage, HostStorage
-from jaxtraj.types import EnvPart, PolicyPart, rows_of, stack_parts
+from jaxtraj.storage import small_part, storage_for
+from jaxtraj.types import EnvPart, PolicyPart, stack_parts
 
 Items = list[tuple[str, Any]]
-
-
-_SMALL_PART_BYTES = 64 << 10  # add_many stacks parts smaller than this before checking
-
-
-def _payload_bytes(part: Any) -> int:
-    return sum(getattr(x, "nbytes", 8) for x in jax.tree.leaves(part))
 
 
 class TrajectoryCollector:
@@ -83,27 +76,11 @@ class TrajectoryCollector:
         self.current_version = 0
         sources = [tuple(int(v) for v in s) for s in (sources or plan.default_sources())]
         self.mirror = Mirror(plan, np.asarray(sources, np.int64).reshape(-1, 2), step_id)
-        n = len(sources)
-        groups = self.mode.groups(n)
-        make = lambda g: state.init(
-            plan, policy_example, env_example, step_id=step_id,
-            sources=self.mode.state_sources(g, sources),
-        )
-        layouts = [jax.eval_shape(lambda g=g: make(g)) for g in groups]
         one = jax.eval_shape(lambda: state.init(plan, policy_example, env_example))
         self._checks = checks.HostChecks(plan, one, self.mirror.sources)
-        if storage == "auto":
-            on_device = [x for x in jax.tree.leaves(policy_example) if isinstance(x, jax.Array)]
-            accel = any(d.platform != "cpu" for x in on_device for d in x.devices())
-            storage = "device" if accel else "host"
-        if storage == "host":
-            self._store = HostStorage(layouts, groups, self.mode.place)
-        elif storage == "device":
-            self._store = DeviceStorage([make(g) for g in groups], plan, self.mode.place)
-        else:
-            raise ValueError(f"storage must be 'auto', 'host' or 'device', got {storage!r}")
-        self._groups = groups
-        self._mode_states = [self.mode.init(lay) for lay in layouts]
+        self._store = storage_for(storage, plan, policy_example, env_example, self.mode,
+                                  sources, step_id)
+        self._mode_states = [self.mode.init(lay) for lay in self._store.layouts]
 
     # -- what it holds --------------------------------------------------------------------
 
@@ -121,7 +98,7 @@ class TrajectoryCollector:
     def states(self) -> tuple[state.CollectorState, ...]:
         """The states as stored: one per source, or one stacked (pipeline mode); numpy
         staging buffers (host storage) or device arrays (device storage)."""
-        return tuple(self._store.state(i, self.mirror) for i in range(len(self._groups)))
+        return tuple(self._store.state(i, self.mirror) for i in range(len(self._store.groups)))
 
     @property
     def mode_states(self) -> tuple[Any, ...]:
@@ -187,7 +164,8 @@ class TrajectoryCollector:
                 part, m.rows.get(type(part)), m.step
             )
         except CollectorError as err:
-            if err.code == ErrorCode.DUPLICATE and self._identical_resend(part):
+            resend = err.code == ErrorCode.DUPLICATE and self.plan.resend == "accept_identical"
+            if resend and self._store.resent(self.mirror, self.mode, part):
                 return []  # a restarted worker's re-send of what we have: accepted once
             raise
         i, at = self.mode.slot(s, e, t, off)
@@ -211,22 +189,12 @@ class TrajectoryCollector:
         parts = list(parts)
         if not parts:
             return []
-        small = _payload_bytes(parts[0]) < _SMALL_PART_BYTES
-        if not self._store.owned or small:
+        if not self._store.owned or small_part(parts[0]):
             # Device storage: one jitted insert per group. Small parts: stacking them costs
             # less than checking each on its own (a second copy of a few KiB).
             return self._add_stacked(stack_parts(parts))
-        m = self.mirror
-        rows = {k: v.copy() for k, v in m.rows.items()}
-        checked = []
-        for n, part in enumerate(parts):
-            try:
-                found = self._checks.one(part, rows.get(type(part)), m.step)
-            except CollectorError as err:
-                raise CollectorError(err.key, err.code, f"part {n} of the batch") from None
-            s, e, t, off, layout = found[:5]
-            rows[type(part)][s, e, t, off : off + layout.rows] = True
-            checked.append(found)
+        rows = {k: v.copy() for k, v in self.mirror.rows.items()}
+        checked = self._checks.many(parts, rows, self.mirror.step)
         for s, e, t, off, layout, leaves, treedef in checked:
             self._store.insert(*self.mode.slot(s, e, t, off), leaves, treedef, layout)
         return self._added(rows, [c[0] for c in checked])
@@ -235,16 +203,8 @@ class TrajectoryCollector:
         rows = {k: v.copy() for k, v in self.mirror.rows.items()}
         owners = [self._checks.stack(g, rows[type(g)], self.mirror.step) for g in groups]
         for group, s_of in zip(groups, owners):
-            keys = group.source.key
-            e, t = np.asarray(keys.epoch_id), np.asarray(keys.chunk_id)
-            off = np.broadcast_to(np.asarray(group.source.offset), s_of.shape)
             layout = self._checks.structure(group, True)
-            for pick in self.mode.split(s_of):
-                whole = isinstance(pick, slice) or pick.all()
-                sub = group if whole else jax.tree.map(lambda x, p=pick: np.asarray(x)[p], group)
-                i, at = self.mode.slot(s_of[pick], e[pick], t[pick], off[pick])
-                leaves, treedef = jax.tree.flatten(sub)
-                self._store.insert_many(i, at, leaves, treedef, layout)
+            self._store.insert_stack(self.mode, group, s_of, layout)
         return self._added(rows, np.concatenate(owners).tolist())
 
     def _added(self, rows: dict, sources: list) -> Items:
@@ -252,19 +212,6 @@ class TrajectoryCollector:
         self.mirror.recount()
         self.mirror.last_seen[sorted(set(sources))] = time.monotonic()
         return self._flush_complete()
-
-    def _identical_resend(self, part: Any) -> bool:
-        """With ``plan.resend == "accept_identical"``: whether every row of ``part`` was
-        received already, with exactly this data."""
-        if self.plan.resend != "accept_identical":
-            return False
-        _, e, r, st, t = part.source.key.as_tuple()
-        s, off = self.mirror.index[(r, st)], int(np.asarray(part.source.offset))
-        rows = rows_of(part.replace(source=None))
-        if not self.mirror.rows[type(part)][s, e, t, off : off + rows].all():
-            return False  # a partial overlap is not a re-send
-        i, at = self.mode.slot(s, e, t, off)
-        return self._store.holds(i, at, part, rows)
 
     # -- scopes and flushes ---------------------------------------------------------------
 
@@ -300,7 +247,7 @@ class TrajectoryCollector:
         self._store.after_flush(i, new)
         for j in self.mode.advance(c, self.mirror):
             self._store.renew(j)
-        self.mirror.last_seen[self._groups[i]] = time.monotonic()  # the next step starts
+        self.mirror.last_seen[self._store.groups[i]] = time.monotonic()  # the next step starts
         return out
 
     def _flush_complete(self) -> Items:

@@ -26,8 +26,8 @@ import jax
 import numpy as np
 
 from jaxtraj import joiner
-from jaxtraj.state import CollectorState
-from jaxtraj.types import EnvPart, PolicyPart
+from jaxtraj.state import CollectorState, init
+from jaxtraj.types import EnvPart, PolicyPart, rows_of
 
 _ALIGN = 64  # bytes: what XLA's CPU client needs to adopt host memory without a copy
 
@@ -46,9 +46,16 @@ def aligned_zeros(shape: tuple, dtype: Any) -> np.ndarray:
     return raw[start : start + n].view(dtype).reshape(shape)
 
 
-def _holds(storage: Any, i: int, at: tuple, part: Any, rows: int) -> bool:
-    """Whether ``storage`` holds exactly ``part``'s data at ``at`` (a re-sent half); the
-    boundary fields that only some halves carry are compared when the part has them."""
+def _resent(storage: Any, mirror: Any, mode: Any, part: Any) -> bool:
+    """Whether every row of ``part`` arrived already with exactly this data (a half
+    re-sent after a worker restart); the boundary fields only some halves carry are
+    compared when the part has them. A partial overlap is not a re-send."""
+    _, e, r, st, t = part.source.key.as_tuple()
+    s, off = mirror.index[(r, st)], int(np.asarray(part.source.offset))
+    rows = rows_of(part.replace(source=None))
+    if not mirror.rows[type(part)][s, e, t, off : off + rows].all():
+        return False
+    i, at = mode.slot(s, e, t, off)
     kept = storage.read(i, type(part), at, rows)
     if isinstance(part, EnvPart):
         skip = dict(initial_transition=None, next_obs=None, next_rlt_obs=None)
@@ -57,6 +64,52 @@ def _holds(storage: Any, i: int, at: tuple, part: Any, rows: int) -> bool:
             part, kept = part.replace(final_values=None), kept.replace(final_values=None)
     sent = jax.tree.leaves(part.replace(source=None))
     return all(np.array_equal(np.asarray(a), b) for a, b in zip(sent, jax.tree.leaves(kept)))
+
+
+def storage_for(kind, plan, policy_example, env_example, mode, sources, step_id):
+    """The storage ``kind`` names for a collector's sources, laid out as ``mode`` says.
+
+    ``"host"``: numpy staging; ``"device"``: jitted inserts into device states;
+    ``"auto"``: device when the examples live on an accelerator, else host.
+    """
+    groups = mode.groups(len(sources))
+    make = lambda g: init(
+        plan, policy_example, env_example, step_id=step_id,
+        sources=mode.state_sources(g, sources),
+    )
+    if kind == "auto":
+        leaves = [x for x in jax.tree.leaves(policy_example) if isinstance(x, jax.Array)]
+        accel = any(d.platform != "cpu" for x in leaves for d in x.devices())
+        kind = "device" if accel else "host"
+    if kind == "host":
+        layouts = [jax.eval_shape(lambda g=g: make(g)) for g in groups]
+        return HostStorage(layouts, groups, mode.place)
+    if kind == "device":
+        return DeviceStorage([make(g) for g in groups], groups, plan, mode.place)
+    raise ValueError(f"storage must be 'auto', 'host' or 'device', got {kind!r}")
+
+
+_SMALL_PART_BYTES = 64 << 10
+
+
+def small_part(part: Any) -> bool:
+    """Whether a part is small enough that stacking a batch of them (a second copy of a
+    few KiB) costs less than checking each one on its own."""
+    return sum(getattr(x, "nbytes", 8) for x in jax.tree.leaves(part)) < _SMALL_PART_BYTES
+
+
+def _insert_stack(storage: Any, mode: Any, group: Any, owners: np.ndarray, layout: Any) -> None:
+    """Insert a checked stack of parts (a leading axis ``N``), split by the states its
+    sources ``owners [N]`` live in."""
+    keys = group.source.key
+    e, t = np.asarray(keys.epoch_id), np.asarray(keys.chunk_id)
+    off = np.broadcast_to(np.asarray(group.source.offset), owners.shape)
+    for pick in mode.split(owners):
+        whole = isinstance(pick, slice) or pick.all()
+        sub = group if whole else jax.tree.map(lambda x, p=pick: np.asarray(x)[p], group)
+        i, at = mode.slot(owners[pick], e[pick], t[pick], off[pick])
+        leaves, treedef = jax.tree.flatten(sub)
+        storage.insert_many(i, at, leaves, treedef, layout)
 
 
 class _Plan(NamedTuple):
@@ -80,6 +133,7 @@ class HostStorage:
     owned = True  # the buffers handed to a flush are never written again
 
     def __init__(self, layouts: list[CollectorState], groups: list[list[int]], place=None):
+        self.layouts, self.groups = layouts, groups
         self._layouts, self._groups = layouts, groups
         self._place = place or (lambda st: st)
         self._count = len(jax.tree.leaves((layouts[0].policy, layouts[0].env, layouts[0].initial)))
@@ -175,7 +229,8 @@ class HostStorage:
         sl = at[:-1] + (slice(at[-1], at[-1] + rows),)
         return jax.tree.map(lambda b: b[sl], st.policy if kind is PolicyPart else st.env)
 
-    holds = _holds
+    resent = _resent
+    insert_stack = _insert_stack
 
     def device_state(self, i: int, mirror: Any) -> CollectorState:
         """State ``i`` on its devices: the staging buffers (zero-copy on the CPU backend)
@@ -263,9 +318,12 @@ class DeviceStorage:
 
     owned = False
 
-    def __init__(self, states: list[CollectorState], plan: Any, place=None):
+    def __init__(self, states: list[CollectorState], groups: list[list[int]], plan: Any,
+                 place=None):
         place = place or (lambda st: st)
         self._states = [place(st) for st in states]
+        self.groups = groups
+        self.layouts = [jax.eval_shape(lambda st=st: st) for st in states]
         self.plan = plan
 
     def insert(self, i: int, at: tuple, leaves: list, treedef: Any, layout: Any) -> None:
@@ -282,7 +340,8 @@ class DeviceStorage:
         tree = st.policy if kind is PolicyPart else st.env
         return jax.tree.map(lambda b: np.asarray(b[sl]), tree)
 
-    holds = _holds
+    resent = _resent
+    insert_stack = _insert_stack
 
     def device_state(self, i: int, mirror: Any) -> CollectorState:
         return self._states[i]
