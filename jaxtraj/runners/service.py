@@ -27,8 +27,9 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
+from jaxtraj import checks
 from jaxtraj.collector import TrajectoryCollector
-from jaxtraj.errors import CollectorError
+from jaxtraj.errors import CollectorError, ErrorCode
 from jaxtraj.plan import TrajectoryPlan
 from jaxtraj.types import EnvPart, EnvTransition, PolicyOutput, TrajectoryKey, TrajectorySource
 
@@ -158,6 +159,31 @@ def stamp_versions(output: PolicyOutput, version: int, stamp: bool = True) -> Po
         rows = np.shape(output.actions)[0]
         output = output.replace(versions=np.full((rows,), version, np.int32))
     return output
+
+
+class ObservationCheck:
+    """Checks an environment's observations against the collector's layout, once per
+    signature (structure, shapes, dtypes), so a wrong observation names the env worker
+    that produced it rather than the policy half that carries it."""
+
+    def __init__(self, collector: TrajectoryCollector):
+        self.plan, self.layout = collector.plan, collector.layout
+        self.seen: set = set()
+
+    def __call__(self, obs: PyTree, key: TrajectoryKey) -> None:
+        leaves, treedef = jax.tree.flatten(obs)
+        sig = (treedef, *[(np.shape(x), getattr(x, "dtype", None)) for x in leaves])
+        if sig in self.seen:
+            return
+        lay = self.layout
+        rows = checks.check_payload("observation", obs, lay.policy.obs, lay.lead, key.as_tuple())
+        if rows != self.plan.batch_size:
+            raise CollectorError(
+                key.as_tuple(),
+                ErrorCode.BATCH_SIZE_MISMATCH,
+                f"observation has {rows} rows, plan batch_size {self.plan.batch_size}",
+            )
+        self.seen.add(sig)
 
 
 class Consumer:

@@ -37,13 +37,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxtraj import checks
 from jaxtraj.collector import TrajectoryCollector
-from jaxtraj.errors import CollectorError, ErrorCode
 from jaxtraj.runners.service import (  # noqa: F401  (re-exported: the public names)
     Consumer,
     Env,
     EnvStep,
+    ObservationCheck,
     PolicyFn,
     RunnerError,
     chunk_keys,
@@ -131,8 +130,7 @@ class AsyncRunner:
         self._consumer = Consumer(collector, on_flush, output_queue)
         # The buffers' layout (shapes only), to check each half in its own worker.
         self._layout = collector.layout
-        self._obs_seen: set = set()  # observation signatures already checked
-        self._lead = self._layout.lead
+        self._obs_check = ObservationCheck(collector)  # once per observation signature
         self._stamp = self._layout.policy.output.versions is not None
 
     # -- public ----------------------------------------------------------------------
@@ -269,20 +267,7 @@ class AsyncRunner:
         self.collector.check_structure(part)
 
     def _check_obs(self, obs: PyTree, key: TrajectoryKey) -> None:
-        leaves, treedef = jax.tree.flatten(obs)
-        sig = (treedef, *[(np.shape(x), getattr(x, "dtype", None)) for x in leaves])
-        if sig in self._obs_seen:
-            return
-        rows = checks.check_payload(
-            "observation", obs, self._layout.policy.obs, self._lead, key.as_tuple()
-        )
-        if rows != self.plan.batch_size:
-            raise CollectorError(
-                key.as_tuple(),
-                ErrorCode.BATCH_SIZE_MISMATCH,
-                f"observation has {rows} rows, plan batch_size {self.plan.batch_size}",
-            )
-        self._obs_seen.add(sig)
+        self._obs_check(obs, key)
 
     def _env_worker(self, i: int, ctx: dict) -> None:
         name, env, rank = f"env_worker_{self.env_ranks[i]}", self.envs[i], self.env_ranks[i]

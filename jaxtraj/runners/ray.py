@@ -1,0 +1,551 @@
+"""Environment workers as Ray actors, across machines, feeding the learner's collector.
+
+One Ray actor per env rank steps a vector of host environments (MuJoCo, a robot, any
+:class:`~jaxtraj.runners.service.Env`) and returns :class:`~jaxtraj.EnvPart` s; one
+consumer in the learner process (the thread calling :meth:`RayRunner.run`) feeds the
+:class:`~jaxtraj.TrajectoryCollector`. Policy inference runs where the user puts it:
+
+- ``policy="learner"`` (default, Sebulba-style): in the learner process, on its
+  accelerator. For each env rank the learner infers a chunk's actions from the rank's
+  last observation, inserts the :class:`~jaxtraj.PolicyPart`, and sends the actions to
+  the rank's actor, which executes them and returns the env half and the next
+  observation. One chunk per rank is in flight (the next chunk needs this one's
+  observation); ranks run in parallel.
+- ``policy="actor"``: a copy of the policy in every env actor. The learner broadcasts
+  parameters once per :meth:`RayRunner.update_policy` (``ray.put``); each actor call
+  produces ``chunks_per_call`` chunks, both halves, and at most ``max_in_flight`` calls
+  per actor are outstanding (backpressure: memory is bounded by
+  ``ranks x max_in_flight x chunks_per_call`` chunks).
+
+Parts travel as numpy arrays through Ray's object store: the arrays are serialised as
+out-of-band buffers (pickle protocol 5), read zero-copy (read-only) on the learner's side,
+and copied once by the collector into its staging. The same transport-independent
+service-loop logic as the threaded runner (:mod:`jaxtraj.runners.service`): chunk keys,
+key-derived randomness (:func:`~jaxtraj.runners.service.key_rng`), version stamping,
+env halves, the consumer; so a Ray run equals an :class:`~jaxtraj.runners.threads.AsyncRunner`
+run over the same environments, policy, seeds and keys.
+
+Faults. A worker whose process dies (``RayActorError``) is restarted by Ray (the runner
+allows ``max_restarts`` failures without progress) and redoes its chunk from the last
+point the learner received: the actor's state is restored with ``env.set_state(snapshot)`` when the environment
+offers ``get_state`` / ``set_state`` (a snapshot comes back with every result), else by
+``env.reset()`` and replaying the actions the learner recorded since. The redone chunk
+has the same key, randomness and actions, so the step's :class:`~jaxtraj.Trajectory` is
+bit-identical to an undisturbed run. With ``TrajectoryPlan(resend="accept_identical")``
+a half that reaches the collector twice is accepted once, if identical. A worker that
+is alive but silent for ``stall_timeout_s`` (``collector.check_stalled``) is killed,
+so Ray restarts it and it redoes its chunk. A worker that fails more than
+``max_restarts`` times, or whose environment raises, stops the run: every actor is
+shut down, the results already returned are inserted, and :class:`RunnerError` names
+the worker and the key; what was collected stays in the collector. ``close()`` (or the
+context manager) and a ``KeyboardInterrupt`` in :meth:`RayRunner.run` shut every actor
+down.
+"""
+
+from __future__ import annotations
+
+try:
+    import ray
+    import ray.exceptions
+except ImportError as exc:  # pragma: no cover - exercised in a process without Ray
+    raise ImportError(
+        "jaxtraj.runners.ray needs Ray, an optional dependency: pip install 'jaxtraj[ray]'"
+    ) from exc
+
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxtraj.collector import TrajectoryCollector
+from jaxtraj.errors import CollectorError, ErrorCode
+from jaxtraj.plan import TrajectoryPlan
+from jaxtraj.runners.service import (
+    Consumer,
+    Env,
+    EnvStep,
+    ObservationCheck,
+    PolicyFn,
+    RunnerError,
+    chunk_keys,
+    env_part,
+    key_rng,
+    key_rngs,
+    stamp_versions,
+)
+from jaxtraj.types import PolicyPart, TrajectoryKey, TrajectorySource
+
+__all__ = ["EnvWorker", "RayRunner", "RunnerError", "EnvStep", "Env"]
+
+PyTree = Any
+_POLL_S = 0.05
+_RETRY_S = 0.1
+
+
+class EnvWorker:
+    """The body of one env actor: one env rank, ``B`` host environments.
+
+    :class:`RayRunner` runs it as a Ray actor; it is a plain class so it can be tested
+    and benchmarked in-process too.
+
+    Args:
+      env_fn: ``env_fn(env_rank) -> Env``, called in the actor's process.
+      env_rank: the rank this actor owns.
+      plan: the collector's plan (batch size, for the env halves).
+      policy_fn: the policy, when inference runs in the actor (``policy="actor"``).
+      seed: base seed of :func:`key_rng` (policy sampling).
+      stamp: whether the plan keeps ``versions`` (stamped with the model version).
+    """
+
+    def __init__(
+        self,
+        env_fn: Callable[[int], Env],
+        env_rank: int,
+        plan: TrajectoryPlan,
+        policy_fn: PolicyFn | None = None,
+        seed: int = 0,
+        stamp: bool = True,
+    ):
+        self.env, self.plan = env_fn(env_rank), plan
+        self.policy_fn, self.seed, self.stamp = policy_fn, seed, stamp
+        self.obs: PyTree = None
+        self.prev = None  # the last chunk's EnvTransition (chunk 0 carries its flags)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def reset(self) -> PyTree:
+        """Reset every environment; the first observation."""
+        self.obs, self.prev = self.env.reset(), None
+        return self.obs
+
+    def step(self, key: tuple, actions: Any) -> tuple[Any, PyTree, Any]:
+        """Execute chunk ``key``'s actions: ``(env half, next observation, snapshot)``."""
+        key = TrajectoryKey(*key)
+        out = self.env.step(key, actions)
+        part = env_part(self.plan, key, out, self.prev)
+        self.obs, self.prev = out.obs, out.transition
+        return part, out.obs, self._snapshot()
+
+    def run(self, keys: Sequence[tuple], params: Any, version: int) -> tuple[list, Any]:
+        """Infer and execute chunks ``keys`` in order: ``([(policy half, env half)],
+        snapshot)``."""
+        out = []
+        bsz = self.plan.batch_size
+        for k in keys:
+            key = TrajectoryKey(*k)
+            output = self.policy_fn(params, self.obs, key_rng(self.seed, key))
+            output = stamp_versions(output, version, self.stamp)
+            policy = PolicyPart(TrajectorySource(key, bsz, 0), self.obs, output)
+            step = self.env.step(key, output.actions)
+            out.append((policy, env_part(self.plan, key, step, self.prev)))
+            self.obs, self.prev = step.obs, step.transition
+        return out, self._snapshot()
+
+    def restore(self, snapshot: Any, prev: Any, replay: Sequence[tuple]) -> PyTree:
+        """Return to a point the learner received: ``env.set_state(snapshot)``, or a
+        reset and the recorded ``(key, actions)`` replayed. The observation there."""
+        if snapshot is not None:
+            obs = self.env.set_state(snapshot)
+        else:
+            obs = self.env.reset()
+            for key, actions in replay:
+                obs = self.env.step(TrajectoryKey(*key), actions).obs
+        self.obs, self.prev = obs, prev
+        return obs
+
+    def _snapshot(self) -> Any:
+        get = getattr(self.env, "get_state", None)
+        return None if get is None else get()
+
+
+@dataclass
+class _Rank:
+    """The learner's view of one env rank."""
+
+    index: int
+    rank: int
+    actor: Any = None
+    keys: list = field(default_factory=list)
+    n: int = 0  # chunks received
+    sent: int = 0  # chunks requested (policy="actor")
+    obs: PyTree = None
+    started: bool = False
+    actions: Any = None  # the chunk in flight's actions (policy="learner")
+    pending: deque = field(default_factory=deque)  # (kind, ref, payload), in order
+    snapshot: Any = None
+    prev: Any = None
+    replay: list = field(default_factory=list)  # (key, actions) since the restore point
+    failures: int = 0  # failures since the last progress
+    killed_at: float = -1.0  # when a stall last had it killed
+    ping_at: float | None = None  # when to ask a restarting actor again whether it is up
+
+    @property
+    def name(self) -> str:
+        return f"env_worker_{self.rank}"
+
+    def key(self) -> tuple | None:
+        return self.keys[min(self.n, len(self.keys) - 1)].as_tuple() if self.keys else None
+
+
+class RayRunner:
+    """Environment workers as Ray actors; policy inference in the learner (default) or
+    in the actors; one consumer in the learner feeding the collector.
+
+    Args:
+      collector: the :class:`TrajectoryCollector` to feed; only the thread calling
+        :meth:`run` touches it.
+      env_fn: ``env_fn(env_rank) -> Env``, picklable; called in each actor's process.
+      policy_fn: ``policy_fn(params, obs, rng) -> PolicyOutput`` for a batch ``[B, ...]``
+        (picklable when ``policy="actor"``); the runner stamps ``versions``.
+      params: the initial policy parameters (version 0).
+      num_steps: training steps each :meth:`run` collects.
+      step_id, stage_id: the first training step, and the stage of every key.
+      env_ranks: the env ranks, one actor each; default ``range(plan.num_env_ranks)``.
+      seed: base seed of :func:`key_rng`.
+      policy: ``"learner"`` (Sebulba-style) or ``"actor"``.
+      chunks_per_call, max_in_flight: with ``policy="actor"``, chunks per actor call
+        (batched in one transfer) and outstanding calls per actor.
+      max_restarts: restarts of one worker before the run stops (Ray's
+        ``max_restarts`` of each actor too).
+      stall_timeout_s: kill (and so restart) a worker whose source sent nothing for
+        this long while parts are missing; ``None``: never.
+      actor_options: extra ``ray.remote`` options of the env actors (``num_cpus``,
+        ``resources``, ``scheduling_strategy``: where they are placed).
+      on_flush, output_queue: where flushed items go (as :class:`AsyncRunner`); else
+        :meth:`run` returns them.
+
+    Example::
+
+        ray.init()                                   # or RAY_ADDRESS=... for a cluster
+        with RayRunner(collector, make_env, policy_fn, params, num_steps=1) as runner:
+            for it in range(iterations):
+                (queue_key, traj), = runner.run()    # one training step, every rank
+                params = train(params, traj)
+                runner.update_policy(params)
+    """
+
+    def __init__(
+        self,
+        collector: TrajectoryCollector,
+        env_fn: Callable[[int], Env],
+        policy_fn: PolicyFn,
+        params: Any,
+        *,
+        num_steps: int = 1,
+        step_id: int = 0,
+        stage_id: int = 0,
+        env_ranks: Sequence[int] | None = None,
+        seed: int = 0,
+        policy: str = "learner",
+        chunks_per_call: int = 1,
+        max_in_flight: int = 2,
+        max_restarts: int = 3,
+        stall_timeout_s: float | None = None,
+        actor_options: dict | None = None,
+        on_flush: Callable[[str, Any], None] | None = None,
+        output_queue: Any = None,
+    ):
+        if policy not in ("learner", "actor"):
+            raise ValueError(f"policy must be 'learner' or 'actor', got {policy!r}")
+        if chunks_per_call < 1 or max_in_flight < 1:
+            raise ValueError(
+                f"chunks_per_call and max_in_flight must be >= 1, got "
+                f"{chunks_per_call}, {max_in_flight}"
+            )
+        if max_restarts < 0:
+            raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
+        self.collector, self.plan = collector, collector.plan
+        self.env_fn, self.policy_fn, self.policy = env_fn, policy_fn, policy
+        ranks = range(self.plan.num_env_ranks) if env_ranks is None else env_ranks
+        self.env_ranks = [int(r) for r in ranks]
+        self.num_steps, self.step_id, self.stage_id = num_steps, step_id, stage_id
+        self.seed, self.on_flush, self.output_queue = seed, on_flush, output_queue
+        self.chunks_per_call, self.max_in_flight = chunks_per_call, max_in_flight
+        self.max_restarts, self.stall_timeout_s = max_restarts, stall_timeout_s
+        self.actor_options = dict(actor_options or {})
+        self._params, self._version = params, 0
+        self._params_ref: tuple[int, Any] | None = None  # (version, object ref)
+        self._lock = threading.Lock()
+        self._stamp = collector.layout.policy.output.versions is not None
+        self._obs_check = ObservationCheck(collector)
+        self._ranks = [_Rank(i, r) for i, r in enumerate(self.env_ranks)]
+        self._consumer = Consumer(collector, on_flush, output_queue)
+        self._draining = False
+        self.restarts = 0  # worker restarts handled over this runner's life
+
+    # -- public ----------------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        """The model version stamped on new chunks."""
+        return self._version
+
+    @property
+    def delivered(self) -> int:
+        """How many flushed items the last :meth:`run` delivered."""
+        return self._consumer.delivered
+
+    def update_policy(self, params: Any) -> int:
+        """Swap in new parameters (thread-safe, also during :meth:`run`); returns the new
+        version. Chunks requested after the call use them and carry the new version
+        (with ``policy="actor"``: broadcast once to every actor through the object
+        store, with their next call)."""
+        with self._lock:
+            self._params, self._version = params, self._version + 1
+            return self._version
+
+    def keys(self, env_rank: int) -> list[TrajectoryKey]:
+        """The keys env rank ``env_rank`` produces in the next :meth:`run`, in order."""
+        return chunk_keys(self.plan, env_rank, self.step_id, self.num_steps, self.stage_id)
+
+    def actors(self) -> list[Any]:
+        """The env actors' handles (started on first use), in ``env_ranks`` order."""
+        self._start()
+        return [w.actor for w in self._ranks]
+
+    def close(self) -> None:
+        """Shut every env actor down (Ray does not restart them)."""
+        for w in self._ranks:
+            if w.actor is not None:
+                try:
+                    ray.kill(w.actor, no_restart=True)
+                except Exception:  # already gone
+                    pass
+            w.actor, w.started, w.pending = None, False, deque()
+            w.obs, w.snapshot, w.prev, w.replay = None, None, None, []
+
+    def __enter__(self) -> RayRunner:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def run(self) -> list[tuple[str, Any]]:
+        """Collect ``num_steps`` training steps from every env rank; block until done.
+
+        Environments continue from where the previous :meth:`run` left them, and the
+        next :meth:`run` collects the following steps.
+
+        Returns:
+          The flushed ``(queue_key, item)`` pairs when neither ``on_flush`` nor
+          ``output_queue`` is given, else ``[]``.
+
+        Raises:
+          RunnerError: a worker failed for good, or the collector rejected a half;
+            every actor is shut down first; what was collected stays in the collector.
+        """
+        self._start()
+        self._consumer = consumer = Consumer(self.collector, self.on_flush, self.output_queue)
+        keys = [k for r in self.env_ranks for k in self.keys(r)]
+        self._rngs = key_rngs(self.seed, keys) if self.policy == "learner" else {}
+        for w in self._ranks:
+            w.keys, w.n, w.sent, w.failures = self.keys(w.rank), 0, 0, 0
+        try:
+            for w in self._ranks:
+                self._submit(w)
+            stall_at = time.monotonic()
+            while any(w.n < len(w.keys) for w in self._ranks):
+                now = time.monotonic()
+                for w in self._ranks:
+                    if w.ping_at is not None and now >= w.ping_at:
+                        w.ping_at = None
+                        w.pending.append(("ping", w.actor.pid.remote(), None))
+                heads = {w.pending[0][1]: w for w in self._ranks if w.pending}
+                refs = list(heads)
+                if not refs:
+                    time.sleep(_POLL_S)
+                    continue
+                ready, _ = ray.wait(refs, num_returns=1, timeout=_POLL_S)
+                if ready and len(refs) > 1:  # every head that is ready, in one call
+                    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+                for ref in ready:
+                    self._receive(heads[ref])
+                if self.stall_timeout_s is not None and time.monotonic() > stall_at:
+                    stall_at = time.monotonic() + self.stall_timeout_s / 4
+                    self._check_stalled()
+        except BaseException as exc:  # KeyboardInterrupt included
+            if not isinstance(exc, KeyboardInterrupt):
+                self._drain()
+            self.close()
+            if isinstance(exc, (RunnerError, KeyboardInterrupt)):
+                raise
+            raise RunnerError("consumer", None, exc, consumer.delivered) from exc
+        self.step_id += self.num_steps
+        return consumer.kept
+
+    # -- actors ----------------------------------------------------------------------
+
+    def _start(self) -> None:
+        todo = [w for w in self._ranks if w.actor is None]
+        if not todo:
+            return
+        # Ray restarts a dead actor without limit; the runner bounds failures without
+        # progress (max_restarts) and shuts the actor down when it gives up.
+        cls = ray.remote(EnvWorker).options(
+            max_restarts=-1, max_task_retries=0, **self.actor_options
+        )
+        policy_fn = self.policy_fn if self.policy == "actor" else None
+        for w in todo:
+            w.actor = cls.remote(self.env_fn, w.rank, self.plan, policy_fn, self.seed, self._stamp)
+
+    def _params_for_actors(self) -> tuple[Any, int]:
+        with self._lock:
+            params, version = self._params, self._version
+        if self._params_ref is None or self._params_ref[0] != version:
+            self._params_ref = (version, ray.put(params))  # one broadcast per version
+        return self._params_ref[1], version
+
+    def _submit(self, w: _Rank) -> None:
+        """Request what rank ``w`` does next (nothing while a request is outstanding,
+        with the policy in the learner)."""
+        if self._draining:
+            return
+        if not w.started:
+            if not w.pending:
+                w.pending.append(("reset", w.actor.reset.remote(), None))
+            return
+        if self.policy == "learner":
+            if not w.pending and w.n < len(w.keys):
+                self._infer(w)
+            return
+        ref = None
+        while len(w.pending) < self.max_in_flight and w.sent < len(w.keys):
+            batch = [k.as_tuple() for k in w.keys[w.sent : w.sent + self.chunks_per_call]]
+            ref = ref or self._params_for_actors()
+            w.pending.append(("run", w.actor.run.remote(batch, ref[0], ref[1]), batch))
+            w.sent += len(batch)
+
+    def _infer(self, w: _Rank) -> None:
+        """Policy inference in the learner for rank ``w``'s next chunk; its actions go
+        to the actor."""
+        key = w.keys[w.n]
+        with self._lock:
+            params, version = self._params, self._version
+        try:
+            output = self.policy_fn(params, w.obs, self._rngs[key.as_tuple()])
+            output = stamp_versions(output, version, self._stamp)
+            part = PolicyPart(TrajectorySource(key, self.plan.batch_size, 0), w.obs, output)
+            self.collector.check_structure(part)  # before the env executes bad actions
+        except Exception as exc:
+            raise RunnerError("policy_worker", key.as_tuple(), exc, self.delivered) from exc
+        self._consumer.consume("policy_worker", part)
+        w.actions = output.actions
+        ref = w.actor.step.remote(key.as_tuple(), output.actions)
+        w.pending.append(("step", ref, key))
+
+    def _receive(self, w: _Rank) -> None:
+        kind, ref, payload = w.pending.popleft()
+        try:
+            result = ray.get(ref)
+        except ray.exceptions.RayActorError as exc:
+            if kind == "ping" and isinstance(exc, ray.exceptions.ActorUnavailableError):
+                w.ping_at = time.monotonic() + _RETRY_S  # still restarting: ask again soon
+                return
+            self._restart(w, exc)
+            return
+        except ray.exceptions.RayTaskError as exc:  # the environment (or policy) raised
+            cause = getattr(exc, "cause", None) or exc
+            raise RunnerError(w.name, w.key(), cause, self.delivered) from exc
+        if kind == "reset":
+            w.obs, w.started = result, True
+            w.snapshot, w.prev, w.replay = None, None, []
+            self._checked_obs(w, result)
+        elif kind == "ping":  # the restarted actor is up: back to the restore point
+            self._redo(w)
+            return
+        elif kind == "restore":
+            pass  # the actor is back at the learner's restore point
+        elif kind == "step":
+            part, obs, snapshot = result
+            self._checked_obs(w, obs)
+            self._insert(w, part)
+            self._advance(w, [(payload.as_tuple(), w.actions)], part.transition, snapshot)
+            w.obs = obs
+        else:  # "run"
+            pairs, snapshot = result
+            for policy, env in pairs:
+                self._checked_obs(w, policy.obs)
+                self._insert(w, policy)
+                self._insert(w, env)
+            done = [(p.source.key.as_tuple(), np.array(p.output.actions)) for p, _ in pairs]
+            self._advance(w, done, pairs[-1][1].transition, snapshot)
+        self._submit(w)
+
+    def _advance(self, w: _Rank, done: list, prev: Any, snapshot: Any) -> None:
+        """Rank ``w`` received ``done``: move its restore point there."""
+        w.n += len(done)
+        # Copies: a view into a received object would pin all of it in the object store.
+        w.prev, w.snapshot = jax.tree.map(np.array, prev), snapshot
+        w.replay = [] if snapshot is not None else w.replay + done
+        w.failures = 0  # "keeps failing": failures without progress in between
+
+    def _insert(self, w: _Rank, part: Any) -> None:
+        worker = (
+            "policy_worker" if isinstance(part, PolicyPart) and self.policy == "learner" else w.name
+        )
+        self._consumer.consume(worker, part)
+
+    def _checked_obs(self, w: _Rank, obs: PyTree) -> None:
+        try:
+            self._obs_check(obs, w.keys[min(w.n, len(w.keys) - 1)])
+        except CollectorError as exc:
+            raise RunnerError(w.name, w.key(), exc, self.delivered) from exc
+
+    def _restart(self, w: _Rank, exc: BaseException) -> None:
+        """Rank ``w``'s actor died: Ray restarts it (requests fail while it restarts, so
+        the runner pings it until it answers); then it is restored to the last point
+        received and redoes what was in flight."""
+        w.failures += 1
+        if self._draining or w.failures > self.max_restarts:
+            raise RunnerError(w.name, w.key(), exc, self.delivered) from exc
+        self.restarts += 1
+        w.pending.clear()  # later requests went to the dead process: redo them too
+        w.sent = w.n
+        w.pending.append(("ping", w.actor.pid.remote(), None))
+
+    def _redo(self, w: _Rank) -> None:
+        if w.started:
+            replay = [(k, a) for k, a in w.replay]
+            ref = w.actor.restore.remote(w.snapshot, w.prev, replay)
+            w.pending.append(("restore", ref, None))
+            if self.policy == "learner" and w.n < len(w.keys):
+                key = w.keys[w.n]  # the same actions again: the chunk's policy half is in
+                w.pending.append(("step", w.actor.step.remote(key.as_tuple(), w.actions), key))
+                return
+        self._submit(w)
+
+    def _check_stalled(self) -> None:
+        try:
+            self.collector.check_stalled(self.stall_timeout_s)
+        except CollectorError as exc:
+            if exc.code != ErrorCode.SOURCE_TIMEOUT:
+                raise
+            rank = exc.key[2] if exc.key is not None else None
+            now = time.monotonic()
+            for w in self._ranks:
+                if w.rank != rank or w.actor is None or not w.pending:
+                    continue
+                if now - w.killed_at > self.stall_timeout_s:
+                    w.killed_at = now
+                    ray.kill(w.actor, no_restart=False)  # Ray restarts it; it redoes its chunk
+
+    def _drain(self) -> None:
+        """After a failure: insert the results that already came back, in order."""
+        self._draining = True
+        for w in self._ranks:
+            while w.pending:
+                ready, _ = ray.wait([w.pending[0][1]], timeout=0)
+                if not ready:
+                    break
+                try:
+                    self._receive(w)
+                except Exception:  # the first failure is the one reported
+                    break
+        self._draining = False

@@ -1,0 +1,287 @@
+"""The Ray runner on a local Ray instance: equal to the threaded runner, restarts a killed
+worker bit-identically, stops with a named error on a persistent failure.
+
+The module fixture starts a local Ray instance (2 CPUs, no dashboard) and shuts it down.
+Its workers import this module (the environments below are pickled by reference), so
+the fixture puts ``tests/`` on their ``PYTHONPATH``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray")
+
+# Ray starts its processes with a fork (then exec): JAX warns about forking a
+# multithreaded process, harmless here since the child execs at once.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:os.fork\\(\\) was called:RuntimeWarning",
+    "ignore::pytest.PytestUnraisableExceptionWarning",
+)
+
+import jaxtraj  # noqa: E402
+from jaxtraj import EnvTransition, PolicyOutput, TrajectoryKey, TrajectoryPlan  # noqa: E402
+from jaxtraj.runners.service import RunnerError  # noqa: E402
+from jaxtraj.runners.threads import AsyncRunner, EnvStep  # noqa: E402
+
+B, T, E, RANKS, STEPS, OBS, K, A, SEED = 4, 3, 2, 2, 2, 3, 2, 3, 0
+PARAMS = {
+    "w": 0.3 * jax.random.normal(jax.random.PRNGKey(1), (OBS, K * A)),
+    "v": 0.5 * jax.random.normal(jax.random.PRNGKey(2), (OBS,)),
+}
+
+
+class PointEnv:
+    """``B`` point masses in NumPy; every random draw comes from the chunk's key, so a
+    restarted worker that redoes a chunk draws the same numbers.
+
+    Args:
+      die_at: a key at which the process exits (``os._exit``): once if ``marker`` is a
+        path (the file records that it happened), else every time.
+      raise_at: a key at which ``step`` raises.
+      snapshots: offer ``get_state`` / ``set_state`` (else a restart replays).
+    """
+
+    def __init__(self, rank, die_at=None, marker=None, raise_at=None, snapshots=True):
+        self.rank, self.die_at, self.marker, self.raise_at = rank, die_at, marker, raise_at
+        if snapshots:
+            self.get_state = lambda: (self.pos.copy(), self.t.copy())
+            self.set_state = self._set_state
+
+    def _set_state(self, state):
+        self.pos, self.t = (np.array(x) for x in state)
+        return self.obs()
+
+    def obs(self):
+        return {"state": self.pos.copy()}
+
+    def reset(self):
+        self.pos = np.random.default_rng(100 + self.rank).normal(size=(B, OBS)).astype(np.float32)
+        self.t = np.zeros((B,), np.int32)
+        return self.obs()
+
+    def step(self, key, actions):
+        if key.as_tuple() == self.die_at:
+            if self.marker is None or not os.path.exists(self.marker):
+                if self.marker is not None:
+                    pathlib.Path(self.marker).touch()
+                os._exit(1)  # the worker process dies mid-step
+        if key.as_tuple() == self.raise_at:
+            raise RuntimeError("simulator crashed")
+        rng = np.random.default_rng([SEED + 1, *(int(v) for v in key.fields())])
+        noise = rng.normal(size=(B, OBS)).astype(np.float32)
+        self.pos = self.pos + 0.1 * np.asarray(actions).mean(axis=1)[:, :OBS] + 0.01 * noise
+        self.t = self.t + 1
+        rewards = -np.square(self.pos).sum(-1).astype(np.float32)
+        terms = np.abs(self.pos).max(-1) > 2.0
+        truncs = (self.t >= 4) & ~terms
+        final = (self.pos @ np.asarray(PARAMS["v"])).astype(np.float32)
+        done = terms | truncs
+        fresh = rng.normal(size=(B, OBS)).astype(np.float32)
+        self.pos = np.where(done[:, None], fresh, self.pos)
+        self.t = np.where(done, 0, self.t).astype(np.int32)
+        return EnvStep(
+            transition=EnvTransition(rewards=rewards, terminations=terms, truncations=truncs),
+            obs=self.obs(),
+            final_values=final,
+        )
+
+
+def policy_fn(params, obs, rng):
+    s = jnp.asarray(obs["state"])
+    mean = (s @ params["w"]).reshape(-1, K, A)
+    noise = jax.random.normal(rng, mean.shape)
+    return PolicyOutput(
+        actions=np.asarray(mean + 0.1 * noise),
+        prev_logprobs=np.asarray(-0.5 * jnp.square(noise)),
+        prev_values=np.asarray(s @ params["v"]),
+        versions=np.zeros((s.shape[0],), np.int32),
+    )
+
+
+def make_collector(**plan_kw):
+    plan = TrajectoryPlan(num_chunks=T, num_epochs=E, batch_size=B, num_env_ranks=RANKS, **plan_kw)
+    key = TrajectoryKey(0, 0, 0, 0, 0)
+    env = PointEnv(0)
+    obs = env.reset()
+    out = policy_fn(PARAMS, obs, jax.random.PRNGKey(0))
+    st = env.step(key, out.actions)
+    src = jaxtraj.TrajectorySource(key, B, 0)
+    p = jaxtraj.PolicyPart(src, obs, out)
+    e = jaxtraj.EnvPart(
+        src,
+        st.transition,
+        initial_transition=st.transition.boundary(),
+        final_values=st.final_values,
+    )
+    return jaxtraj.TrajectoryCollector(plan, p, e)
+
+
+def by_source(items):
+    return {(int(tr.step_id), int(tr.env_rank)): tr for _, tr in items}
+
+
+def assert_same(a, b):
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.fixture(scope="module")
+def ray_instance():
+    tests = str(pathlib.Path(__file__).parent)
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([tests] + ([old] if old else []))
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+    if old is None:
+        os.environ.pop("PYTHONPATH")
+    else:
+        os.environ["PYTHONPATH"] = old
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The threaded runner's trajectories for the same envs, policy and seeds."""
+    runner = AsyncRunner(
+        make_collector(),
+        [PointEnv(r) for r in range(RANKS)],
+        policy_fn,
+        PARAMS,
+        num_steps=STEPS,
+        seed=SEED,
+    )
+    ref = by_source(runner.run())
+    assert sorted(ref) == [(s, r) for s in range(STEPS) for r in range(RANKS)]
+    return ref
+
+
+def ray_runner(collector, env_fn=PointEnv, **kw):
+    from jaxtraj.runners.ray import RayRunner
+
+    kw.setdefault("num_steps", STEPS)
+    return RayRunner(collector, env_fn, policy_fn, PARAMS, seed=SEED, **kw)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"policy": "actor", "chunks_per_call": 2, "max_in_flight": 2}],
+    ids=["policy_in_learner", "policy_in_actors_batched"],
+)
+def test_ray_runner_equals_threaded_runner(ray_instance, reference, options):
+    with ray_runner(make_collector(), **options) as runner:
+        got = by_source(runner.run())
+    assert sorted(got) == sorted(reference)
+    for k in reference:
+        assert_same(got[k], reference[k])
+
+
+@pytest.mark.parametrize(
+    "policy,snapshots", [("learner", True), ("actor", False)], ids=["snapshot", "replay"]
+)
+def test_killed_worker_is_restarted_and_the_step_is_bit_identical(
+    ray_instance, reference, tmp_path, policy, snapshots
+):
+    die_at = (1, 0, 1, 0, 1)  # step 1, epoch 0, rank 1, chunk 1: mid-step
+    marker = str(tmp_path / "died")
+    env_fn = functools.partial(_env_dying_once, die_at=die_at, marker=marker, snapshots=snapshots)
+    collector = make_collector(resend="accept_identical")
+    with ray_runner(collector, env_fn, policy=policy) as runner:
+        got = by_source(runner.run())
+        assert runner.restarts == 1
+    assert os.path.exists(marker)  # it did die
+    assert sorted(got) == sorted(reference)
+    assert {k[0] for k, _, _ in collector.missing()} == {STEPS}  # only the next step waits
+    for k in reference:
+        assert_same(got[k], reference[k])
+
+
+def _env_dying_once(rank, die_at, marker, snapshots):
+    return PointEnv(
+        rank, die_at=die_at if rank == die_at[2] else None, marker=marker, snapshots=snapshots
+    )
+
+
+def test_persistent_failure_names_worker_and_key_and_keeps_the_data(ray_instance, reference):
+    fail = (1, 0, 1, 0, 1)
+    env_fn = functools.partial(_env_dying_once, die_at=fail, marker=None, snapshots=True)
+    collector = make_collector()
+    delivered = []
+    runner = ray_runner(
+        collector, env_fn, max_restarts=1, on_flush=lambda q, tr: delivered.append(tr)
+    )
+    with pytest.raises(RunnerError) as info:
+        runner.run()
+    err = info.value
+    assert err.worker == "env_worker_1" and err.key == fail
+    assert "env_worker_1" in str(err) and str(fail) in str(err)
+    assert isinstance(err.cause, ray.exceptions.RayActorError)
+    assert runner.restarts == 1 and all(w.actor is None for w in runner._ranks)  # shut down
+    # Step 0 of both ranks was delivered intact; step 1 of rank 1 is kept up to the failure.
+    got = {(int(tr.step_id), int(tr.env_rank)): tr for tr in delivered}
+    assert {(0, 0), (0, 1)} <= set(got) and err.delivered == len(delivered)
+    assert_same(got[(0, 1)], reference[(0, 1)])
+    assert collector.current_step(1) == 1
+    missing = {(k, half) for k, half, _ in collector.missing() if k[2] == 1}
+    assert ((1, 0, 1, 0, 0), "env") not in missing  # chunk 0 of step 1 stayed collected
+    assert (fail, "env") in missing and (fail, "policy") not in missing
+
+
+def test_environment_exception_names_worker_and_key(ray_instance):
+    fail = (0, 1, 0, 0, 2)
+    env_fn = functools.partial(_env_raising, raise_at=fail)
+    runner = ray_runner(make_collector(), env_fn, num_steps=1)
+    with pytest.raises(RunnerError) as info:
+        runner.run()
+    assert info.value.worker == "env_worker_0" and info.value.key == fail
+    assert "simulator crashed" in str(info.value) and runner.restarts == 0
+
+
+def _env_raising(rank, raise_at):
+    return PointEnv(rank, raise_at=raise_at if rank == raise_at[2] else None)
+
+
+def test_policy_update_is_broadcast_and_stamped(ray_instance):
+    collector = make_collector()
+    with ray_runner(collector, policy="actor", num_steps=1, max_in_flight=1) as runner:
+        first = by_source(runner.run())
+        assert runner.update_policy(PARAMS) == 1
+        second = by_source(runner.run())  # the next step, environments continue
+    assert sorted(first) == [(0, r) for r in range(RANKS)]
+    assert sorted(second) == [(1, r) for r in range(RANKS)]
+    assert all((np.asarray(tr.versions) == 0).all() for tr in first.values())
+    assert all((np.asarray(tr.versions) == 1).all() for tr in second.values())
+
+
+def test_keyboard_interrupt_shuts_the_actors_down(ray_instance):
+    def interrupt(queue_key, traj):
+        raise KeyboardInterrupt
+
+    collector = make_collector()
+    runner = ray_runner(collector, on_flush=interrupt)
+    actors = runner.actors()
+    with pytest.raises(KeyboardInterrupt):
+        runner.run()
+    assert all(w.actor is None for w in runner._ranks)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(actors[0].pid.remote(), timeout=30)
+    assert collector.current_step(0) + collector.current_step(1) >= 1  # the flush happened
+
+
+def test_import_without_ray_says_which_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if Ray were not installed
+    monkeypatch.delitem(sys.modules, "jaxtraj.runners.ray", raising=False)
+    with pytest.raises(ImportError, match=r"pip install 'jaxtraj\[ray\]'"):
+        importlib.import_module("jaxtraj.runners.ray")
