@@ -200,3 +200,39 @@ def test_action_level_rewards_of_another_k_are_rejected():
     with pytest.raises(CollectorError, match="rewards") as info:
         c.add(wrong)
     assert info.value.code == ErrorCode.STRUCTURE_MISMATCH
+
+
+# -- cameras: [H, W, 3] uint8 observations travel with the frames ----------------------------
+
+
+def test_camera_frames_travel_with_their_episodes():
+    writer = ListWriter()
+    _, items = run(LR, steps=2, writer=writer)
+    want = expected_episodes(2)
+    got = {b: [f for _, eps in items for bb, f in eps if bb == b] for b in range(B)}
+    for b in range(B):
+        for frames, ref in zip(got[b], want[b]):
+            images = frames["observation.images.image"]
+            assert images.shape == (len(ref), 2, 2, 3) and images.dtype == np.uint8
+            # helpers' image is the chunk's tag (mod 251); state column 0 is tag + b.
+            tags = (frames["observation.state"][:, 0] - b).astype(np.int64) % 251
+            np.testing.assert_array_equal(images[:, 0, 0, 0], tags)
+    assert all("observation.images.image" in e for e in writer.episodes)
+
+
+def test_camera_features_and_non_rgb_images():
+    p, v = policy_part(0), env_part(0)
+    features = jaxtraj.lerobot.features(LR, p, v)
+    assert features["observation.images.image"] == {
+        "dtype": "video",
+        "shape": [2, 2, 3],
+        "names": ["height", "width", "channels"],
+    }
+    assert features["observation.state"]["shape"] == [5]
+    kinds = {"observation.images.image": "image"}
+    assert jaxtraj.lerobot.features(LR, p, v, cameras=kinds)["observation.images.image"]["dtype"] == "image"
+    with pytest.raises(ValueError, match="kind must be"):
+        jaxtraj.lerobot.features(LR, p, v, cameras="mp4")
+    depth = p.replace(obs={**p.obs, "image": np.zeros((B, 2, 2, 1), np.uint8)})
+    with pytest.raises(ValueError, match="uint8 with C = 3"):
+        jaxtraj.lerobot.features(LR, depth, v)

@@ -8,11 +8,17 @@ The folder is what LeRobot's ``LeRobotDataset(repo_id, root=folder)`` loads::
     meta/episodes/chunk-000/file-000.parquet  one row per episode, row i is episode i
     data/chunk-000/file-000.parquet           one row per frame, episodes contiguous
 
+    videos/<feature>/chunk-000/file-000.mp4   video features: episodes one after another
+
 LeRobot finds the data and episodes files with the globs ``data/*/*.parquet`` and
-``meta/episodes/*/*.parquet`` (``GLOBS``). Every data file holds the declared features plus the
-five LeRobot adds to every frame (``DEFAULT_FEATURES``). A feature of shape ``[1]`` is a scalar
-column; a feature of shape ``[D]`` is a ``fixed_size_list<D>`` column. Only numeric rank-1
-features are supported: no images, no videos (``video_path`` is null).
+``meta/episodes/*/*.parquet`` (``GLOBS``), and a video through its episode's row
+(``videos/<feature>/chunk_index``, ``file_index``, ``from_timestamp``, ``to_timestamp``). Every
+data file holds the declared features plus the five LeRobot adds to every frame
+(``DEFAULT_FEATURES``). A feature of shape ``[1]`` is a scalar column; a feature of shape ``[D]``
+is a ``fixed_size_list<D>`` column. Cameras are features of shape ``[H, W, 3]`` (uint8 RGB
+frames) and dtype ``"video"`` (frames in the mp4 files, no data column; ``info`` describes the
+stream) or ``"image"`` (a PNG per frame in the data file, in the ``{"bytes", "path"}`` struct
+that LeRobot's loader reads as an image column).
 """
 
 from __future__ import annotations
@@ -29,11 +35,14 @@ import pyarrow as pa
 CODEBASE_VERSION = "v3.0"
 DATA_PATH = "data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet"
 EPISODES_PATH = "meta/episodes/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet"
+VIDEO_PATH = "videos/{video_key}/chunk-{chunk_index:03d}/file-{file_index:03d}.mp4"
 INFO_PATH = "meta/info.json"
 STATS_PATH = "meta/stats.json"
 TASKS_PATH = "meta/tasks.parquet"
 # Our own cache of the running statistics; LeRobot never reads it.
 STATS_STATE_PATH = "meta/.jaxtraj-stats.npz"
+# The cache as of the commit before, kept for datasets with videos (see stats.stage_files).
+STATS_PREVIOUS_PATH = "meta/.jaxtraj-stats-previous.npz"
 DATA_GLOB = "data/*/*.parquet"
 EPISODES_GLOB = "meta/episodes/*/*.parquet"
 GLOBS = (DATA_GLOB, EPISODES_GLOB)
@@ -64,10 +73,35 @@ DTYPES = (
     "float64",
 )
 
+CAMERA_DTYPES = ("video", "image")
+CAMERA_NAMES = ["height", "width", "channels"]
+IMAGE_TYPE = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+
 Location = tuple[int, int]
 """A file's ``(chunk_index, file_index)``."""
 
-_FILE_RE = re.compile(r"chunk-(\d+)/file-(\d+)\.parquet$")
+_FILE_RE = re.compile(r"chunk-(\d+)/file-(\d+)\.(?:parquet|mp4)$")
+
+
+def is_camera(spec: Mapping[str, Any]) -> bool:
+    return spec.get("dtype") in CAMERA_DTYPES
+
+
+def video_keys(features: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    return [name for name, spec in features.items() if spec.get("dtype") == "video"]
+
+
+def image_keys(features: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    return [name for name, spec in features.items() if spec.get("dtype") == "image"]
+
+
+def column_features(features: Mapping[str, Mapping[str, Any]]) -> dict[str, Mapping[str, Any]]:
+    """The features stored as data-file columns: every one but the videos."""
+    return {name: spec for name, spec in features.items() if spec.get("dtype") != "video"}
+
+
+def video_path(root: Path, key: str, loc: Location) -> Path:
+    return root / VIDEO_PATH.format(video_key=key, chunk_index=loc[0], file_index=loc[1])
 
 
 def data_path(root: Path, loc: Location) -> Path:
@@ -87,7 +121,7 @@ def next_location(loc: Location | None, chunks_size: int) -> Location:
 
 
 def location(path: Path) -> Location | None:
-    """The (chunk, file) index in a data or episodes file's path; None if it has none."""
+    """The (chunk, file) index in a data, episodes or video file's path; None if it has none."""
     match = _FILE_RE.search(path.as_posix())
     return None if match is None else (int(match.group(1)), int(match.group(2)))
 
@@ -123,6 +157,7 @@ def new_info(
     robot_type: str | None,
     data_files_size_in_mb: float | None,
     chunks_size: int | None,
+    video_files_size_in_mb: float | None = None,
 ) -> dict[str, Any]:
     """``info.json`` of an empty dataset."""
     return {
@@ -134,16 +169,19 @@ def new_info(
         "total_tasks": 0,
         "chunks_size": chunks_size or DEFAULT_CHUNKS_SIZE,
         "data_files_size_in_mb": data_files_size_in_mb or DEFAULT_DATA_FILES_SIZE_IN_MB,
-        "video_files_size_in_mb": DEFAULT_VIDEO_FILES_SIZE_IN_MB,
+        "video_files_size_in_mb": video_files_size_in_mb or DEFAULT_VIDEO_FILES_SIZE_IN_MB,
         "data_path": DATA_PATH,
-        "video_path": None,
+        "video_path": VIDEO_PATH if video_keys(features) else None,
         "robot_type": robot_type,
         "splits": {"train": "0:0"},
     }
 
 
 def check_features(features: Any) -> dict[str, dict[str, Any]]:
-    """Validate declared features; return them as info.json stores them (shape a list)."""
+    """Validate declared features; return them as info.json stores them (shape a list).
+
+    A camera's ``info`` block, if given, is dropped: the writer describes its own videos.
+    """
     if not isinstance(features, Mapping) or not features:
         raise ValueError(f"features must be a non-empty dict of name -> spec, got {features!r}")
     out: dict[str, dict[str, Any]] = {}
@@ -156,14 +194,18 @@ def check_features(features: Any) -> dict[str, dict[str, Any]]:
             raise ValueError(f"feature {name!r} is written by the writer; do not declare it")
         if not isinstance(spec, Mapping):
             raise ValueError(f"feature {name!r}: spec must be a dict, got {spec!r}")
-        unknown = set(spec) - {"dtype", "shape", "names"}
+        dtype = spec.get("dtype")
+        allowed = {"dtype", "shape", "names"} | ({"info"} if dtype in CAMERA_DTYPES else set())
+        unknown = set(spec) - allowed
         if unknown:
             raise ValueError(f"feature {name!r}: unknown keys {sorted(unknown)}")
-        dtype = spec.get("dtype")
+        if dtype in CAMERA_DTYPES:
+            out[name] = _check_camera(name, spec)
+            continue
         if dtype not in DTYPES:
             raise ValueError(
-                f"feature {name!r}: dtype {dtype!r} is not supported (one of {', '.join(DTYPES)};"
-                " images and videos are not)"
+                f"feature {name!r}: dtype {dtype!r} is not supported (one of"
+                f" {', '.join(DTYPES + CAMERA_DTYPES)})"
             )
         shape = spec.get("shape")
         if (
@@ -189,8 +231,32 @@ def check_features(features: Any) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _check_camera(name: str, spec: Mapping[str, Any]) -> dict[str, Any]:
+    """A camera feature: ``[H, W, 3]`` uint8 RGB frames (channels last, as collected)."""
+    dtype, shape = spec["dtype"], spec.get("shape")
+    if (
+        not isinstance(shape, Sequence)
+        or len(shape) != 3
+        or not all(isinstance(d, int | np.integer) and not isinstance(d, bool) for d in shape)
+        or shape[2] != 3
+        or min(shape) < 1
+    ):
+        raise ValueError(
+            f"feature {name!r}: dtype {dtype!r} needs shape [H, W, 3] (uint8 RGB, channels"
+            f" last), got {shape!r}"
+        )
+    if dtype == "video" and (shape[0] % 2 or shape[1] % 2 or min(shape[:2]) < 8):
+        raise ValueError(
+            f"feature {name!r}: dtype 'video' needs an even height and width of at least 8"
+            f" (yuv420p), got {list(shape)}; store it as dtype 'image'"
+        )
+    return {"dtype": dtype, "shape": [int(d) for d in shape], "names": list(CAMERA_NAMES)}
+
+
 def arrow_type(spec: Mapping[str, Any]) -> pa.DataType:
     """A feature's column type: the scalar, or a fixed-size list of ``shape[0]`` scalars."""
+    if spec["dtype"] == "image":
+        return IMAGE_TYPE
     scalar = pa.from_numpy_dtype(np.dtype(spec["dtype"]))
     width = spec["shape"][0]
     return scalar if width == 1 else pa.list_(scalar, width)

@@ -1,16 +1,19 @@
 """Opening an existing dataset folder: check it, load its committed state, drop what is not.
 
 A folder is consistent when ``info.json``'s totals match the episodes metadata, every file that
-metadata refers to exists with a readable parquet footer and the rows it claims, and the tasks
+metadata refers to exists with a readable parquet footer and the rows it claims (a video file:
+a readable mp4 with at least the frames its episodes' ``to_timestamp`` reach), and the tasks
 file holds at least ``total_tasks`` tasks. A writer killed while publishing a call may have left
-files past those totals (new data files, trailing episodes rows, new tasks) and staged temporary
-files; ``resume`` removes them, so numbering continues without a gap. Everything is read and
+files past those totals (new data and video files, trailing episodes rows, new tasks) and staged
+temporary files (partly encoded videos among them); ``resume`` removes them, so numbering
+continues without a gap. Everything is read and
 checked first; files change only once the whole folder is known to be consistent, so a folder
 that is not raises ``ValueError``, naming the offending file, and is left untouched.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -27,8 +30,10 @@ from jaxtraj.lerobot.format import (
     DATA_PATH,
     EPISODES_GLOB,
     STATS_PATH,
+    STATS_PREVIOUS_PATH,
     STATS_STATE_PATH,
     TASKS_PATH,
+    VIDEO_PATH,
     Location,
     data_path,
     episodes_path,
@@ -36,7 +41,11 @@ from jaxtraj.lerobot.format import (
     next_location,
     read_info,
     tasks_table,
+    video_keys,
+    video_path,
 )
+from jaxtraj.lerobot.video import decode
+from jaxtraj.lerobot.video import num_frames as video_frames
 
 # The episodes-metadata columns the writer needs to continue a dataset.
 _NEEDED = (
@@ -59,13 +68,15 @@ class Committed:
         meta_loc: The last episodes-metadata file's location; None before the first episode.
         meta_table: That file's rows.
         stats: Every feature's running statistics over the committed frames.
+        video_locs: Per video feature, its last video file's location.
     """
 
     tasks: list[str]
     data_loc: Location | None
     meta_loc: Location | None
     meta_table: pa.Table | None
-    stats: dict[str, stats.RunningStats]
+    stats: dict[str, stats.Stats]
+    video_locs: dict[str, Location]
 
 
 def check_empty(root: Path) -> None:
@@ -89,10 +100,11 @@ def check_settings(
     robot_type: str | None,
     data_files_size_in_mb: float | None,
     chunks_size: int | None,
+    video_files_size_in_mb: float | None = None,
 ) -> dict[str, Any]:
     """Read ``info.json`` at ``path``; ``ValueError`` unless it matches the writer's settings.
 
-    ``data_files_size_in_mb`` and ``chunks_size`` are checked only when given (not None).
+    The file sizes and ``chunks_size`` are checked only when given (not None).
     """
     info = read_info(path)
     theirs = info.get("features")
@@ -106,7 +118,14 @@ def check_settings(
             f"{path}: features differ from the dataset's: not in the dataset {missing},"
             f" only in the dataset {extra}, different spec {changed}"
         )
-    expected = {"fps": fps, "robot_type": robot_type, "data_path": DATA_PATH, "video_path": None}
+    expected = {
+        "fps": fps,
+        "robot_type": robot_type,
+        "data_path": DATA_PATH,
+        "video_path": VIDEO_PATH if video_keys(features) else None,
+    }
+    if video_files_size_in_mb is not None:
+        expected["video_files_size_in_mb"] = video_files_size_in_mb
     if data_files_size_in_mb is not None:
         expected["data_files_size_in_mb"] = data_files_size_in_mb
     if chunks_size is not None:
@@ -149,7 +168,13 @@ def resume(root: Path, info: Mapping[str, Any], features: Mapping[str, Any]) -> 
     )
     remove = [
         tmp
-        for pattern in ("meta/.*", "meta/episodes/*/.*", "data/*/.*")
+        for pattern in (
+            "meta/.*",
+            "meta/episodes/*/.*",
+            "data/*/.*",
+            "videos/*/.*",
+            "videos/*/*/.*",
+        )
         for tmp in root.glob(pattern + files.TMP_MARK + "*")
     ]
     rewrite: list[tuple[Path, pa.Table, dict[str, Any]]] = []
@@ -174,13 +199,19 @@ def resume(root: Path, info: Mapping[str, Any], features: Mapping[str, Any]) -> 
             rewrite.append((path, table, {"compression": "snappy"}))
         committed.append(table)
         meta_loc, meta_table = loc, table
-    cols = {c: np.zeros(0, dtype=np.int64) for c in _NEEDED}
+    videos = video_keys(features)
+    needed = list(_NEEDED) + [
+        f"videos/{key}/{c}"
+        for key in videos
+        for c in ("chunk_index", "file_index", "from_timestamp", "to_timestamp")
+    ]
+    cols = {c: np.zeros(0, dtype=np.int64) for c in needed}
     if committed:
         episodes = pa.concat_tables(committed, promote_options="default")
-        missing = [c for c in _NEEDED if c not in episodes.column_names]
+        missing = [c for c in needed if c not in episodes.column_names]
         if missing:
             raise ValueError(f"{root}: episodes metadata lacks columns {missing}")
-        cols = {c: episodes.column(c).to_numpy() for c in _NEEDED}
+        cols = {c: episodes.column(c).to_numpy() for c in needed}
     if len(cols["episode_index"]) < num_episodes:
         after = episodes_path(root, next_location(meta_loc, info["chunks_size"]))
         raise ValueError(
@@ -226,6 +257,52 @@ def resume(root: Path, info: Mapping[str, Any], features: Mapping[str, Any]) -> 
         elif loc not in rows:
             raise ValueError(f"{path}: a data file that no episode refers to")
 
+    # Video files: likewise per camera, every file a committed episode names must hold the
+    # frames its rows reach; files past the last are the uncommitted tail.
+    video_locs: dict[str, Location] = {}
+    video_files: dict[str, list[tuple[Path, list[tuple[int, int]]]]] = {}
+    fps = info["fps"]
+    for key in videos:
+        prefix = f"videos/{key}/"
+        vlocs = list(
+            zip(cols[prefix + "chunk_index"].tolist(), cols[prefix + "file_index"].tolist())
+        )
+        if vlocs != sorted(vlocs):
+            raise ValueError(f"{root}: episodes metadata lists {key} videos out of order")
+        spans: dict[Location, list[tuple[int, int]]] = {}
+        for loc, start, end in zip(
+            vlocs, cols[prefix + "from_timestamp"].tolist(), cols[prefix + "to_timestamp"].tolist()
+        ):
+            spans.setdefault(loc, []).append((round(start * fps), round(end * fps)))
+        video_files[key] = []
+        for loc, ranges in spans.items():
+            path = video_path(root, key, loc)
+            if not path.is_file():
+                raise ValueError(f"{path}: missing video file (the episodes metadata refers to it)")
+            try:
+                found = video_frames(path)
+            except Exception as err:  # PyAV raises its own error types
+                raise ValueError(f"{path}: damaged video file ({err})") from None
+            if found < max(end for _, end in ranges):
+                raise ValueError(
+                    f"{path}: holds {found} frames, the episodes metadata reaches"
+                    f" {max(end for _, end in ranges)}"
+                )
+            video_files[key].append((path, ranges))
+        if vlocs:
+            video_locs[key] = vlocs[-1]
+        for loc, path in located_files(root, f"videos/{glob.escape(key)}/*/*.mp4"):
+            if key not in video_locs or loc > video_locs[key]:
+                remove.append(path)
+            elif loc not in spans:
+                raise ValueError(f"{path}: a video file that no episode refers to")
+
+    def video_episodes(key: str):
+        for path, ranges in video_files[key]:
+            frames = decode(path)
+            for start, end in ranges:
+                yield frames[start:end]
+
     # Tasks: appended in task_index order, so the committed ones are a prefix.
     path = root / TASKS_PATH
     tasks: list[str] = []
@@ -246,9 +323,11 @@ def resume(root: Path, info: Mapping[str, Any], features: Mapping[str, Any]) -> 
 
     # Statistics: the cached state if it is sound and matches info.json, else a rescan.
     running = stats.load_state(root / STATS_STATE_PATH, features, num_frames)
+    if running is None:
+        running = stats.load_state(root / STATS_PREVIOUS_PATH, features, num_frames)
     stale = running is None
     if running is None:
-        running = stats.rebuild(data_files, features)
+        running = stats.rebuild(data_files, features, video_episodes)
     else:
         try:
             saved = json.loads((root / STATS_PATH).read_text())
@@ -256,7 +335,11 @@ def resume(root: Path, info: Mapping[str, Any], features: Mapping[str, Any]) -> 
         except (OSError, ValueError, KeyError, TypeError):
             stale = True
     if not num_frames:
-        remove += [p for p in (root / STATS_PATH, root / STATS_STATE_PATH) if p.is_file()]
+        remove += [
+            p
+            for p in (root / STATS_PATH, root / STATS_STATE_PATH, root / STATS_PREVIOUS_PATH)
+            if p.is_file()
+        ]
 
     # Consistent: now drop the uncommitted tail.
     for path, table, options in rewrite:
@@ -265,4 +348,4 @@ def resume(root: Path, info: Mapping[str, Any], features: Mapping[str, Any]) -> 
         path.unlink()
     if num_frames and stale:
         files.publish(stats.stage_files(root, running, num_frames))
-    return Committed(tasks, last, meta_loc, meta_table, running)
+    return Committed(tasks, last, meta_loc, meta_table, running, video_locs)

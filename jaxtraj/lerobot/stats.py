@@ -8,6 +8,14 @@ relative of a value between the order statistics that bracket it, clipped to the
 ``[min, max]``. The histogram is a plain count per bucket, so it is deterministic and independent
 of how frames were split into calls.
 
+Cameras (``CameraStats``) are summarised as LeRobot's ``compute_episode_stats`` does: per
+episode a subsample of frames (all of them up to 100, then ``L**0.75`` evenly spaced, at most
+10,000), downsampled to about 150 pixels a side when a side reaches 300, and statistics per
+channel over every sampled pixel, scaled to [0, 1], of shape ``[3, 1, 1]``; ``count`` is the
+number of sampled frames. The episodes merge exactly (a 256-bin histogram per channel), so
+``mean``/``std``/``min``/``max`` are those of all sampled pixels (LeRobot's count-weighted
+merge gives the same), and quantiles are exact over them (LeRobot averages per-episode ones).
+
 The state is cached in ``meta/.jaxtraj-stats.npz`` (sparse) so that reopening a dataset does not
 rescan its data; ``load_state`` returns None when the cache is missing, damaged or stale, and
 ``rebuild`` recomputes the statistics from the data files.
@@ -16,7 +24,7 @@ rescan its data; ``load_state`` returns None when the cache is missing, damaged 
 from __future__ import annotations
 
 import zipfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +32,8 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from jaxtraj.lerobot import files
-from jaxtraj.lerobot.format import STATS_PATH, STATS_STATE_PATH, to_numpy
+from jaxtraj.lerobot.format import STATS_PATH, STATS_PREVIOUS_PATH, STATS_STATE_PATH, to_numpy
+from jaxtraj.lerobot.images import decode_png
 
 QUANTILES = {"q01": 0.01, "q10": 0.10, "q50": 0.50, "q90": 0.90, "q99": 0.99}
 
@@ -159,10 +168,93 @@ class RunningStats:
         return stats
 
 
-def pack_stats(stats: Mapping[str, RunningStats], num_frames: int) -> dict[str, np.ndarray]:
+def sample_indices(length: int) -> np.ndarray:
+    """The frames of an episode that camera statistics read (LeRobot's subsampling rule)."""
+    num = length if length < 100 else max(100, min(int(length**0.75), 10_000))
+    return np.round(np.linspace(0, length - 1, num)).astype(np.int64)
+
+
+def downsample(frames: np.ndarray) -> np.ndarray:
+    """``[n, H, W, C]`` frames strided to about 150 pixels a side once a side reaches 300."""
+    height, width = frames.shape[1:3]
+    if max(height, width) < 300:
+        return frames
+    step = int(width / 150) if width > height else int(height / 150)
+    return frames[:, ::step, ::step]
+
+
+class CameraStats:
+    """Per-channel pixel histogram of a camera's sampled frames (uint8: 256 exact bins).
+
+    Attributes:
+        channels: C.
+        frames: Sampled frames so far (LeRobot's ``count``).
+        hist: ``[C, 256]`` int64 pixel counts.
+    """
+
+    def __init__(self, channels: int):
+        self.channels = channels
+        self.frames = 0
+        self.hist = np.zeros((channels, 256), dtype=np.int64)
+
+    @property
+    def count(self) -> int:
+        return self.frames
+
+    def merged_episode(self, frames: np.ndarray) -> CameraStats:
+        """These statistics plus one episode's frames ``[L, H, W, C]`` uint8, subsampled."""
+        sampled = downsample(frames[sample_indices(len(frames))])
+        out = CameraStats(self.channels)
+        out.frames = self.frames + len(sampled)
+        out.hist = self.hist.copy()
+        for c in range(self.channels):
+            out.hist[c] += np.bincount(sampled[..., c].reshape(-1), minlength=256)
+        return out
+
+    def merged_stats(self, other: CameraStats) -> CameraStats:
+        out = CameraStats(self.channels)
+        out.frames = self.frames + other.frames
+        out.hist = self.hist + other.hist
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        """The feature's ``meta/stats.json`` entry: ``[C, 1, 1]`` lists in [0, 1]."""
+        values = np.arange(256, dtype=np.float64) / 255.0
+        total = self.hist.sum(1)
+        n = np.maximum(total, 1)
+        mean = self.hist @ values / n
+        var = np.maximum(self.hist @ (values * values) / n - mean * mean, 0.0)
+        seen = self.hist > 0
+        lo = np.array([values[np.flatnonzero(r)[0]] if r.any() else 0.0 for r in seen])
+        hi = np.array([values[np.flatnonzero(r)[-1]] if r.any() else 0.0 for r in seen])
+        stats: dict[str, Any] = {"min": lo, "max": hi, "mean": mean, "std": np.sqrt(var)}
+        cumulative = np.cumsum(self.hist, 1)
+        for key, q in QUANTILES.items():
+            rank = q * (total - 1)
+            ends = [
+                values[[np.searchsorted(cum, r, side="right") for cum, r in zip(cumulative, o)]]
+                for o in (np.floor(rank), np.ceil(rank))
+            ]
+            stats[key] = ends[0] + (rank - np.floor(rank)) * (ends[1] - ends[0])
+        out = {k: v.reshape(-1, 1, 1).tolist() for k, v in stats.items()}
+        out["count"] = [int(self.frames)]
+        return out
+
+
+Stats = RunningStats | CameraStats
+
+
+def pack_stats(stats: Mapping[str, Stats], num_frames: int) -> dict[str, np.ndarray]:
     """Every feature's running statistics as a few flat arrays, for ``meta/.jaxtraj-stats.npz``."""
+    cameras = {k: v for k, v in stats.items() if isinstance(v, CameraStats)}
+    stats = {k: v for k, v in stats.items() if not isinstance(v, CameraStats)}
     values = list(stats.values())
     return {
+        "camera_names": np.array(list(cameras), dtype=str),
+        "camera_frames": np.array([c.frames for c in cameras.values()], dtype=np.int64),
+        "camera_hist": np.stack([c.hist for c in cameras.values()])
+        if cameras
+        else np.zeros((0, 3, 256), np.int64),
         "num_frames": np.array(num_frames, dtype=np.int64),
         "names": np.array(list(stats)),
         "count": np.array([s.count for s in values], dtype=np.int64),
@@ -177,8 +269,19 @@ def unpack_stats(
     state: Mapping[str, np.ndarray], features: Mapping[str, Mapping[str, Any]]
 ) -> dict[str, RunningStats]:
     """Inverse of ``pack_stats``; raises ValueError if it does not fit ``features``."""
+    cameras = {k: v for k, v in features.items() if v["dtype"] in ("video", "image")}
+    features = {k: v for k, v in features.items() if k not in cameras}
     if list(state["names"]) != list(features):
         raise ValueError("stats state lists other features")
+    if list(state["camera_names"]) != list(cameras):
+        raise ValueError("stats state lists other cameras")
+    camera_stats = {}
+    for name, frames, hist in zip(cameras, state["camera_frames"], state["camera_hist"]):
+        camera_stats[name] = CameraStats(cameras[name]["shape"][2])
+        camera_stats[name].frames = int(frames)
+        camera_stats[name].hist = np.asarray(hist, dtype=np.int64)
+        if hist.shape != (cameras[name]["shape"][2], 256) or frames < 0:
+            raise ValueError(f"stats state of {name!r} is inconsistent")
     widths = [spec["shape"][0] for spec in features.values()]
     moments = np.split(np.asarray(state["moments"], dtype=np.float64), np.cumsum(widths)[:-1], 1)
     bounds = np.cumsum(state["num_keys"])[:-1]
@@ -198,12 +301,17 @@ def unpack_stats(
         if moment.shape != (4, width) or int(stats.counts.sum()) != stats.count * width:
             raise ValueError(f"stats state of {name!r} is inconsistent")
         out[name] = stats
-    return out
+    return {**out, **camera_stats}
 
 
-def empty(features: Mapping[str, Mapping[str, Any]]) -> dict[str, RunningStats]:
+def empty(features: Mapping[str, Mapping[str, Any]]) -> dict[str, Stats]:
     """No frames seen yet, for every feature."""
-    return {name: RunningStats(spec["shape"][0]) for name, spec in features.items()}
+    return {
+        name: CameraStats(spec["shape"][2])
+        if spec["dtype"] in ("video", "image")
+        else RunningStats(spec["shape"][0])
+        for name, spec in features.items()
+    }
 
 
 def load_state(
@@ -233,36 +341,70 @@ def save_state(path: Path, stats: Mapping[str, RunningStats], num_frames: int) -
 
 
 def rebuild(
-    paths: Sequence[Path], features: Mapping[str, Mapping[str, Any]]
-) -> dict[str, RunningStats]:
-    """The statistics of every frame in the data files ``paths``, read one file at a time."""
+    paths: Sequence[Path],
+    features: Mapping[str, Mapping[str, Any]],
+    video_episodes: Callable[[str], Iterable[np.ndarray]] | None = None,
+) -> dict[str, Stats]:
+    """The statistics of every frame in the data files ``paths``, read one file at a time.
+
+    Image features are decoded from their PNGs, episode by episode; video features come from
+    ``video_episodes(name)``, every committed episode's decoded frames in order. Camera
+    statistics rebuilt from stored frames are those of the decoded (lossy) video, close to
+    but not exactly those of the frames the writer received.
+    """
     stats = empty(features)
+    columns = [k for k, v in features.items() if v["dtype"] != "video"]
+    images = [k for k in columns if features[k]["dtype"] == "image"]
     for path in paths:
         try:
-            table = pq.read_table(path, columns=list(features))
+            extra = ["episode_index"] if images and "episode_index" not in columns else []
+            table = pq.read_table(path, columns=columns + extra)
         except (OSError, ValueError) as err:  # pyarrow's errors derive from these
             raise ValueError(f"{path}: unreadable data file ({err})") from None
-        for name, spec in features.items():
-            values = to_numpy(table.column(name), spec["shape"][0])
+        for name in columns:
+            if name in images:
+                continue
+            values = to_numpy(table.column(name), features[name]["shape"][0])
             if len(values):
                 stats[name] = stats[name].merged(values)
+        if images:
+            episode = table.column("episode_index").to_numpy()
+            bounds = np.flatnonzero(np.diff(episode)) + 1
+            for name in images:
+                pngs = table.column(name).combine_chunks().field("bytes").to_pylist()
+                for part in np.split(np.arange(len(pngs)), bounds):
+                    if len(part):
+                        frames = np.stack([decode_png(pngs[i]) for i in part])
+                        stats[name] = stats[name].merged_episode(frames)
+    for name, spec in features.items():
+        if spec["dtype"] == "video" and video_episodes is not None:
+            for frames in video_episodes(name):
+                stats[name] = stats[name].merged_episode(frames)
     return stats
 
 
 def stage_files(
     root: Path,
-    running: Mapping[str, RunningStats],
+    running: Mapping[str, Stats],
     num_frames: int,
     stats_json: Mapping[str, Any] | None = None,
+    keep_previous: bool = False,
 ) -> list[files.Staged]:
     """Stage ``meta/stats.json`` and the cache for ``num_frames`` frames; publish nothing.
 
-    ``stats_json`` is ``meta/stats.json``'s content when already computed.
+    ``stats_json`` is ``meta/stats.json``'s content when already computed. With
+    ``keep_previous`` the cache in place is first renamed to ``STATS_PREVIOUS_PATH``, so that a
+    writer killed before ``info.json`` commits still finds the committed statistics: camera
+    statistics rebuilt from lossy videos would not be the same.
     """
     if stats_json is None:
         stats_json = {name: s.to_json() for name, s in running.items()}
-    return [
+    staged = [
         # Compact: json's indenting encoder is pure Python, ten times slower than the C one.
         files.stage_json(root / STATS_PATH, stats_json, indent=None),
-        files.stage(root / STATS_STATE_PATH, lambda tmp: save_state(tmp, running, num_frames)),
     ]
+    current = root / STATS_STATE_PATH
+    if keep_previous and current.is_file():
+        staged.append((current, root / STATS_PREVIOUS_PATH))
+    staged.append(files.stage(current, lambda tmp: save_state(tmp, running, num_frames)))
+    return staged

@@ -12,13 +12,14 @@ def check_episodes(
     features: Mapping[str, Mapping[str, Any]],
     episodes: Sequence[Mapping[str, Any]],
     tasks: Sequence[str],
-) -> tuple[dict[str, np.ndarray], list[int]]:
+) -> tuple[dict[str, np.ndarray], dict[str, list[np.ndarray]], list[int]]:
     """Check every episode and task against the declared ``features``.
 
     Arrays are converted with numpy's ``same_kind`` casting (float64 -> float32 and int -> float
     are fine; float -> int, anything -> bool and out-of-range integers are not); float values
     must be finite. A feature of shape ``[1]`` takes ``[L]`` or ``[L, 1]``, one of shape ``[D]``
-    takes ``[L, D]``, with one ``L >= 1`` per episode.
+    takes ``[L, D]``, a camera of shape ``[H, W, 3]`` takes ``[L, H, W, 3]`` uint8 (no
+    conversion), with one ``L >= 1`` per episode.
 
     Args:
         features: The user's features (without LeRobot's bookkeeping columns).
@@ -26,8 +27,10 @@ def check_episodes(
         tasks: One non-empty task string per episode.
 
     Returns:
-        ``(columns, lengths)``: per feature the episodes' frames concatenated and cast,
-        ``[sum(lengths)]`` or ``[sum(lengths), D]``, and each episode's length.
+        ``(columns, cameras, lengths)``: per vector feature the episodes' frames concatenated
+        and cast, ``[sum(lengths)]`` or ``[sum(lengths), D]``; per camera feature each
+        episode's frames, copied (the writer may encode them after the call returns); and each
+        episode's length.
 
     Raises:
         ValueError: naming the first episode and feature that does not fit.
@@ -38,16 +41,18 @@ def check_episodes(
         raise ValueError("tasks must be a list of strings, one per episode")
     if len(tasks) != len(episodes):
         raise ValueError(f"got {len(episodes)} episodes but {len(tasks)} tasks")
-    user = dict(features)
+    user = {k: v for k, v in features.items() if v["dtype"] not in ("video", "image")}
+    cams = {k: v for k, v in features.items() if v["dtype"] in ("video", "image")}
     parts: dict[str, list[np.ndarray]] = {name: [] for name in user}
+    cameras: dict[str, list[np.ndarray]] = {name: [] for name in cams}
     lengths: list[int] = []
     for i, (episode, task) in enumerate(zip(episodes, tasks)):
         if not isinstance(task, str) or not task.strip():
             raise ValueError(f"episode {i}: task must be a non-empty string, got {task!r}")
         if not isinstance(episode, Mapping):
             raise ValueError(f"episode {i}: expected a dict of arrays, got {type(episode)}")
-        missing = sorted(set(user) - set(episode))
-        extra = sorted(set(episode) - set(user))
+        missing = sorted(set(features) - set(episode))
+        extra = sorted(set(episode) - set(features))
         if missing or extra:
             raise ValueError(
                 f"episode {i}: missing features {missing}, undeclared features {extra}"
@@ -88,6 +93,19 @@ def check_episodes(
                         f"episode {i}: feature {name!r} has values outside {target}'s range"
                     )
             parts[name].append(array)
+        for name, spec in cams.items():
+            array = np.asarray(episode[name])
+            want = (length if length is not None else array.shape[0], *spec["shape"])
+            if array.ndim != 4 or array.shape != want or array.dtype != np.uint8:
+                raise ValueError(
+                    f"episode {i}: camera {name!r} has {array.dtype} {list(array.shape)},"
+                    f" expected uint8 {list(want)}"
+                )
+            if length is None:
+                length = array.shape[0]
+                if length == 0:
+                    raise ValueError(f"episode {i}: has no frames")
+            cameras[name].append(np.array(array, order="C", copy=True))
         lengths.append(int(length or 0))
     columns: dict[str, np.ndarray] = {}
     for name, spec in user.items():
@@ -107,4 +125,4 @@ def check_episodes(
                     f" (after conversion to {target})"
                 )
         columns[name] = column
-    return columns, lengths
+    return columns, cameras, lengths

@@ -25,6 +25,20 @@ resumes without a gap. One writer per folder at a time.
 The statistics update (:mod:`jaxtraj.lerobot.stats`) runs in a helper thread while the parquet
 files are written (both release the GIL); the thread ends within the call.
 
+Cameras. A dataset with camera features (``"video"`` or ``"image"``, shape ``[H, W, 3]``) is
+written in the background, off the caller's path: ``add_episodes`` checks and copies the
+episodes, hands each camera's frames to a pool of encoder threads (PyAV and zlib release the
+GIL), queues the call for a committer thread and returns the episode indices it assigned. The
+committer commits calls in order, each as above once its encodes are done; a call's video
+files (one or more per camera, :mod:`jaxtraj.lerobot.video`) are encoded under hidden
+temporary names and renamed into place with its data files, before the metadata that refers
+to them, so no committed metadata ever names a partly written mp4. Memory is bounded: while
+the frames of uncommitted calls pass ``max_pending_mb``, ``add_episodes`` blocks; nothing is
+dropped. ``wait()`` returns once everything accepted is committed; ``close()`` waits and stops
+the threads. An encoder or write error stops the writer: that call and the later ones are not
+committed (the folder stays as the last commit left it), and ``add_episodes``, ``wait`` and
+``close`` raise ``LeRobotWriteError`` naming the episodes (and the episode being encoded).
+
 Example::
 
     writer = LeRobotWriter("/data/pick", fps=30, features={
@@ -40,24 +54,29 @@ Example::
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import threading
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
-from jaxtraj.lerobot import files, resume, stats
+from jaxtraj.lerobot import files, images, resume, stats, video
 from jaxtraj.lerobot.format import (
     DEFAULT_FEATURES,
+    DEFAULT_VIDEO_FILES_SIZE_IN_MB,
     INFO_PATH,
     TASKS_PATH,
     Location,
     arrow_type,
     check_features,
+    column_features,
     data_path,
     episodes_path,
     new_info,
@@ -65,6 +84,8 @@ from jaxtraj.lerobot.format import (
     read_info,
     tasks_table,
     to_arrow,
+    video_keys,
+    video_path,
 )
 from jaxtraj.lerobot.validate import check_episodes
 
@@ -78,13 +99,35 @@ _META_ROW_NBYTES = 8 * 8 + 4 + 4
 _META_FILE_MAX_BYTES = 1 << 20
 
 
+class LeRobotWriteError(RuntimeError):
+    """A background encode or commit failed; the episodes it names were not written."""
+
+
+@dataclass(eq=False)
+class _Call:
+    """One ``add_episodes`` call on its way to the folder."""
+
+    first_episode: int
+    first_frame: int
+    columns: dict[str, np.ndarray]
+    cameras: dict[str, list[np.ndarray]]
+    lengths: list[int]
+    tasks: list[str]
+    nbytes: int = 0
+    encodes: dict[str, Future] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        last = self.first_episode + len(self.lengths) - 1
+        return f"episodes {self.first_episode} to {last}"
+
+
 class LeRobotWriter:
     """Appends completed episodes to a LeRobot ``v3.0`` dataset folder, one call at a time.
 
     Creates the dataset when ``root`` is missing or empty; resumes it when ``root`` holds a
-    dataset with the same fps, robot type and features (and, where given, the same file sizes),
-    after removing what a killed writer left uncommitted. Anything else raises ``ValueError``
-    before a byte is written.
+    dataset with the same fps, robot type and features (and, where given, the same file sizes
+    and video settings), after removing what a killed writer left uncommitted. Anything else
+    raises ``ValueError`` before a byte is written.
 
     Args:
         root: The dataset folder.
@@ -92,17 +135,31 @@ class LeRobotWriter:
         features: The per-frame features besides LeRobot's five bookkeeping columns, name ->
             ``{"dtype": "float32", "shape": [D], "names": None}``. dtype is a numpy bool, int,
             uint or float name (not float16); shape ``[1]`` is a scalar column; ``names`` is
-            null, D strings, or a dict as LeRobot allows. Names may not contain ``/``.
+            null, D strings, or a dict as LeRobot allows. Names may not contain ``/``. A camera
+            is ``{"dtype": "video" or "image", "shape": [H, W, 3]}`` (uint8 RGB frames; a
+            video needs an even H and W); the writer fills its ``names`` and ``info``.
         robot_type: Stored in ``info.json``; may be None.
         data_files_size_in_mb: Size limit of a data (and episodes-metadata) file, in MiB of
             uncompressed column data; default 100, or the dataset's own when resuming.
         chunks_size: Files per chunk folder; default 1000, or the dataset's own when resuming.
+        video_files_size_in_mb: A video file is closed once it passes this size; default 200.
+        video_codec: ``"libsvtav1"`` (LeRobot's default) or ``"h264"``.
+        crf: Video quality, LeRobot's default 30.
+        gop: Keyframe interval in frames, LeRobot's default 2.
+        preset: Encoder preset; None is SVT-AV1's 12 (LeRobot's) or libx264's default.
+        encoder_workers: Encoder threads; default the number of CPUs, at most 8.
+        max_pending_mb: Camera frames (MiB, raw) accepted but not yet committed before
+            ``add_episodes`` blocks; default 512. A larger single call is still accepted alone.
 
     Example::
 
         writer = LeRobotWriter(root, fps=10, features={
-            "observation.state": {"dtype": "float32", "shape": [4], "names": None}})
-        writer.add_episodes([{"observation.state": np.zeros((50, 4), np.float32)}], ["reach"])
+            "observation.state": {"dtype": "float32", "shape": [4], "names": None},
+            "observation.images.top": {"dtype": "video", "shape": [96, 96, 3]}})
+        writer.add_episodes([{"observation.state": np.zeros((50, 4), np.float32),
+                              "observation.images.top": np.zeros((50, 96, 96, 3), np.uint8)}],
+                            ["reach"])
+        writer.close()       # waits for the encoders, then every accepted episode is committed
         assert (writer.num_episodes, writer.num_frames) == (1, 50)
     """
 
@@ -115,41 +172,78 @@ class LeRobotWriter:
         robot_type: str | None = None,
         data_files_size_in_mb: float | None = None,
         chunks_size: int | None = None,
+        video_files_size_in_mb: float | None = None,
+        video_codec: str = "libsvtav1",
+        crf: int = 30,
+        gop: int = 2,
+        preset: int | str | None = None,
+        encoder_workers: int | None = None,
+        max_pending_mb: float = 512,
     ):
         if not isinstance(fps, int | np.integer) or isinstance(fps, bool) or fps <= 0:
             raise ValueError(f"fps must be a positive int, got {fps!r}")
         if robot_type is not None and not isinstance(robot_type, str):
             raise ValueError(f"robot_type must be a string or None, got {robot_type!r}")
-        if data_files_size_in_mb is not None and (
-            isinstance(data_files_size_in_mb, bool)
-            or not isinstance(data_files_size_in_mb, int | float)
-            or not data_files_size_in_mb > 0
+        for name, size in (
+            ("data_files_size_in_mb", data_files_size_in_mb),
+            ("video_files_size_in_mb", video_files_size_in_mb),
         ):
-            raise ValueError(f"data_files_size_in_mb must be > 0, got {data_files_size_in_mb!r}")
+            if size is not None and (
+                isinstance(size, bool) or not isinstance(size, int | float) or not size > 0
+            ):
+                raise ValueError(f"{name} must be > 0, got {size!r}")
         if chunks_size is not None and (
             isinstance(chunks_size, bool) or not isinstance(chunks_size, int) or chunks_size < 1
         ):
             raise ValueError(f"chunks_size must be a positive int, got {chunks_size!r}")
+        if encoder_workers is not None and (
+            isinstance(encoder_workers, bool)
+            or not isinstance(encoder_workers, int)
+            or encoder_workers < 1
+        ):
+            raise ValueError(f"encoder_workers must be a positive int, got {encoder_workers!r}")
+        if isinstance(max_pending_mb, bool) or not isinstance(max_pending_mb, int | float):
+            raise ValueError(f"max_pending_mb must be a number, got {max_pending_mb!r}")
+        self._video = video.VideoSettings(codec=video_codec, crf=crf, g=gop, preset=preset)
         self._user_features = check_features(features)
+        for name in video_keys(self._user_features):
+            spec = self._user_features[name]
+            spec["info"] = self._video.info(spec["shape"], int(fps))
         self._root = Path(root)
         self._features = {**self._user_features, **DEFAULT_FEATURES}
-        self._schema = pa.schema([(k, arrow_type(v)) for k, v in self._features.items()])
+        self._columns = column_features(self._features)
+        self._video_keys = video_keys(self._features)
+        self._image_keys = [k for k, v in self._features.items() if v["dtype"] == "image"]
+        self._schema = pa.schema([(k, arrow_type(v)) for k, v in self._columns.items()])
         self._frame_nbytes = sum(
-            np.dtype(v["dtype"]).itemsize * v["shape"][0] for v in self._features.values()
+            np.dtype(v["dtype"]).itemsize * v["shape"][0]
+            for v in self._columns.values()
+            if v["dtype"] != "image"
         )
 
         info_path = self._root / INFO_PATH
         if info_path.is_file():
             self._info = resume.check_settings(
-                info_path, self._features, fps, robot_type, data_files_size_in_mb, chunks_size
+                info_path,
+                self._features,
+                fps,
+                robot_type,
+                data_files_size_in_mb,
+                chunks_size,
+                video_files_size_in_mb,
             )
             state = resume.resume(self._root, self._info, self._features)
         else:
             resume.check_empty(self._root)
             self._info = new_info(
-                fps, self._features, robot_type, data_files_size_in_mb, chunks_size
+                fps,
+                self._features,
+                robot_type,
+                data_files_size_in_mb,
+                chunks_size,
+                video_files_size_in_mb,
             )
-            state = resume.Committed([], None, None, None, stats.empty(self._features))
+            state = resume.Committed([], None, None, None, stats.empty(self._features), {})
             files.write_json(info_path, self._info)
         self._tasks: list[str] = state.tasks
         self._task_index = {task: i for i, task in enumerate(self._tasks)}
@@ -158,13 +252,29 @@ class LeRobotWriter:
         self._meta_table: pa.Table | None = state.meta_table
         self._meta_nbytes = 0 if state.meta_table is None else state.meta_table.nbytes
         self._stats = state.stats
+        self._video_locs: dict[str, Location | None] = {
+            k: state.video_locs.get(k) for k in self._video_keys
+        }
+        # Background path (cameras only): the caller's counters run ahead of the committed ones.
+        self._next_episode = self._info["total_episodes"]
+        self._next_frame = self._info["total_frames"]
+        self._workers = encoder_workers or min(8, os.cpu_count() or 1)
+        self._max_pending = float(max_pending_mb) * (1 << 20)
+        self._pool: ThreadPoolExecutor | None = None
+        self._calls: collections.deque[_Call] = collections.deque()
+        self._cond = threading.Condition()
+        self._committer: threading.Thread | None = None
+        self._pending_bytes = 0
+        self._error: LeRobotWriteError | None = None
+        self._closed = False
 
     @classmethod
-    def open(cls, root: str | os.PathLike[str]) -> LeRobotWriter:
+    def open(cls, root: str | os.PathLike[str], **options: Any) -> LeRobotWriter:
         """Resume appending to the dataset at ``root`` with the settings in its ``info.json``.
 
         Args:
             root: A dataset folder this writer (or LeRobot, for numeric features) created.
+            options: ``encoder_workers`` and ``max_pending_mb``.
 
         Returns:
             A writer whose next episode is ``total_episodes`` and next frame ``total_frames``.
@@ -177,6 +287,22 @@ class LeRobotWriter:
         for name, spec in DEFAULT_FEATURES.items():
             if features.pop(name, None) != spec:
                 raise ValueError(f"{root}: feature {name!r} is missing or not {spec}")
+        settings = {}
+        for spec in features.values():
+            if isinstance(spec, dict) and spec.get("dtype") == "video":
+                # A bad block is reported by the feature checks and the settings comparison.
+                try:
+                    found = video.VideoSettings.from_info(spec.get("info") or {})
+                except (ValueError, TypeError):
+                    break
+                settings = {
+                    "video_codec": found.codec,
+                    "crf": found.crf,
+                    "gop": found.g,
+                    "preset": found.preset,
+                    "video_files_size_in_mb": info.get("video_files_size_in_mb"),
+                }
+                break
         return cls(
             root,
             fps=info.get("fps"),
@@ -184,6 +310,8 @@ class LeRobotWriter:
             robot_type=info.get("robot_type"),
             data_files_size_in_mb=info.get("data_files_size_in_mb"),
             chunks_size=info.get("chunks_size"),
+            **settings,
+            **options,
         )
 
     @property
@@ -198,68 +326,216 @@ class LeRobotWriter:
 
     @property
     def num_episodes(self) -> int:
-        """Committed episodes: the next episode's ``episode_index``."""
-        return self._info["total_episodes"]
+        """Episodes accepted: the next episode's ``episode_index`` (all committed after wait)."""
+        return self._next_episode
 
     @property
     def num_frames(self) -> int:
-        """Committed frames: the next frame's ``index``."""
-        return self._info["total_frames"]
+        """Frames accepted: the next frame's ``index`` (all committed after wait)."""
+        return self._next_frame
+
+    @property
+    def committed_episodes(self) -> int:
+        """Episodes committed to the folder (``info.json``'s ``total_episodes``)."""
+        return self._info["total_episodes"]
 
     @property
     def tasks(self) -> tuple[str, ...]:
-        """Task strings in ``task_index`` order."""
+        """Task strings in ``task_index`` order (of the committed episodes)."""
         return tuple(self._tasks)
 
     def add_episodes(self, episodes: Sequence[Mapping[str, Any]], tasks: Sequence[str]) -> range:
-        """Append completed episodes and commit them with one ``info.json`` rename.
+        """Append completed episodes; commit them with one ``info.json`` rename.
 
         All input is checked before anything is written (see
-        :func:`jaxtraj.lerobot.validate.check_episodes`). A call that raises leaves the dataset
-        as it was and can be retried.
+        :func:`jaxtraj.lerobot.validate.check_episodes`). Without cameras the call commits
+        before it returns, and a call that raises leaves the dataset as it was and can be
+        retried. With cameras the call returns once the episodes are queued (blocking while
+        ``max_pending_mb`` of frames wait); they are committed in the background, in order.
 
         Args:
             episodes: One dict per episode: every declared feature -> array ``[L]`` or
-                ``[L, 1]`` for shape ``[1]``, ``[L, D]`` for shape ``[D]``, with one ``L >= 1``
-                per episode. JAX arrays are fine (they are copied to the host).
+                ``[L, 1]`` for shape ``[1]``, ``[L, D]`` for shape ``[D]``, ``[L, H, W, 3]``
+                uint8 for a camera, with one ``L >= 1`` per episode. JAX arrays are fine
+                (they are copied to the host).
             tasks: One non-empty task string per episode.
 
         Returns:
             The episode indices assigned, ``range(num_episodes_before, num_episodes_after)``.
+
+        Raises:
+            ValueError: bad input (nothing queued).
+            LeRobotWriteError: an earlier call failed in the background; the writer is stopped.
         """
-        columns, lengths = check_episodes(self._user_features, episodes, tasks)
-        first_episode, first_frame = self.num_episodes, self.num_frames
+        self._check_usable()
+        columns, cameras, lengths = check_episodes(self._user_features, episodes, tasks)
+        first_episode, first_frame = self._next_episode, self._next_frame
         if not lengths:
             return range(first_episode, first_episode)
+        call = _Call(first_episode, first_frame, columns, cameras, lengths, list(tasks))
+        if not cameras:
+            self._commit(call)
+            self._next_episode = self._info["total_episodes"]
+            self._next_frame = self._info["total_frames"]
+            return range(first_episode, self._next_episode)
 
-        task_index = dict(self._task_index)
-        all_tasks = list(self._tasks)
-        for task in tasks:
-            if task not in task_index:
-                task_index[task] = len(all_tasks)
-                all_tasks.append(task)
-        lengths_np = np.asarray(lengths, dtype=np.int64)
-        ends = np.cumsum(lengths_np)
-        starts = ends - lengths_np
-        num_frames = int(ends[-1])
-        frame_index = np.arange(num_frames, dtype=np.int64) - np.repeat(starts, lengths_np)
-        columns["timestamp"] = (frame_index / self._info["fps"]).astype(np.float32)
-        columns["frame_index"] = frame_index
-        columns["episode_index"] = np.repeat(
-            np.arange(first_episode, first_episode + len(lengths), dtype=np.int64), lengths_np
-        )
-        columns["index"] = np.arange(first_frame, first_frame + num_frames, dtype=np.int64)
-        columns["task_index"] = np.repeat(
-            np.array([task_index[t] for t in tasks], dtype=np.int64), lengths_np
-        )
-        table = pa.Table.from_arrays(
-            [to_arrow(columns[name]) for name in self._schema.names], schema=self._schema
-        )
-        info = dict(self._info)
-        info["total_episodes"] = first_episode + len(lengths)
-        info["total_frames"] = first_frame + num_frames
-        info["total_tasks"] = len(all_tasks)
-        info["splits"] = {"train": f"0:{info['total_episodes']}"}
+        call.nbytes = sum(a.nbytes for arrays in cameras.values() for a in arrays)
+        with self._cond:
+            while (
+                self._error is None
+                and self._pending_bytes
+                and self._pending_bytes + call.nbytes > self._max_pending
+            ):
+                self._cond.wait()
+            self._check_usable()
+            self._pending_bytes += call.nbytes
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="lerobot-encode")
+        for key in self._video_keys:
+            call.encodes[key] = self._pool.submit(self._encode_video, call, key)
+        for key in self._image_keys:
+            call.encodes[key] = self._pool.submit(images.encode_episodes, cameras[key])
+        self._next_episode += len(lengths)
+        self._next_frame += sum(lengths)
+        with self._cond:
+            self._calls.append(call)
+            if self._committer is None:
+                # Not a daemon: an interpreter exiting without close() still commits what
+                # was accepted before it ends.
+                self._committer = threading.Thread(
+                    target=self._run_committer, name="lerobot-commit"
+                )
+                self._committer.start()
+        return range(first_episode, self._next_episode)
+
+    def wait(self) -> None:
+        """Block until every accepted episode is committed.
+
+        Raises:
+            LeRobotWriteError: a background encode or commit failed (naming the episodes).
+        """
+        with self._cond:
+            while self._committer is not None:
+                self._cond.wait()
+            if self._error is not None:
+                raise self._error
+
+    def close(self) -> None:
+        """Wait for every accepted episode, then stop the encoder threads; idempotent.
+
+        Raises:
+            LeRobotWriteError: as ``wait``; the threads are stopped all the same.
+        """
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
+
+    def __enter__(self) -> LeRobotWriter:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _check_usable(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if self._closed:
+            raise ValueError(f"{self._root}: the writer is closed")
+
+    def _encode_video(self, call: _Call, key: str) -> tuple[list[Path], list[video.Placed]]:
+        """Pool task: one camera's frames of one call, into hidden temporary mp4 files."""
+        folder = self._root / "videos" / key
+        folder.mkdir(parents=True, exist_ok=True)
+        limit = float(self._info.get("video_files_size_in_mb") or DEFAULT_VIDEO_FILES_SIZE_IN_MB)
+        try:
+            return video.encode(
+                lambda part: files.tmp_path(folder / f"call-{call.first_episode}-{part}.mp4"),
+                call.cameras[key],
+                self._info["fps"],
+                self._video,
+                limit * (1 << 20),
+                call.first_episode,
+            )
+        except RuntimeError as err:
+            raise RuntimeError(f"feature {key!r}, {err}") from err
+
+    def _run_committer(self) -> None:
+        """Committer thread: commit queued calls in order until none is left."""
+        while True:
+            with self._cond:
+                if not self._calls:
+                    self._committer = None
+                    self._cond.notify_all()
+                    return
+                call = self._calls[0]
+            error = None
+            if self._error is None:
+                try:
+                    self._commit(call)
+                except BaseException as err:  # surfaced by add_episodes / wait / close
+                    error = LeRobotWriteError(
+                        f"{self._root}: {call.describe()} were not written: {err}"
+                    )
+                    error.__cause__ = err
+            else:
+                _discard_encodes(call)
+            with self._cond:
+                self._calls.popleft()
+                self._pending_bytes -= call.nbytes
+                if error is not None:
+                    self._error = error
+                self._cond.notify_all()
+
+    def _commit(self, call: _Call) -> None:
+        """Write one call's files under hidden names, then publish them; info.json last."""
+        columns, lengths, tasks = call.columns, call.lengths, call.tasks
+        first_episode, first_frame = call.first_episode, call.first_frame
+        staged_videos: list[files.Staged] = []
+        try:
+            task_index = dict(self._task_index)
+            all_tasks = list(self._tasks)
+            for task in tasks:
+                if task not in task_index:
+                    task_index[task] = len(all_tasks)
+                    all_tasks.append(task)
+            lengths_np = np.asarray(lengths, dtype=np.int64)
+            ends = np.cumsum(lengths_np)
+            starts = ends - lengths_np
+            num_frames = int(ends[-1])
+            frame_index = np.arange(num_frames, dtype=np.int64) - np.repeat(starts, lengths_np)
+            columns["timestamp"] = (frame_index / self._info["fps"]).astype(np.float32)
+            columns["frame_index"] = frame_index
+            columns["episode_index"] = np.repeat(
+                np.arange(first_episode, first_episode + len(lengths), dtype=np.int64),
+                lengths_np,
+            )
+            columns["index"] = np.arange(first_frame, first_frame + num_frames, dtype=np.int64)
+            columns["task_index"] = np.repeat(
+                np.array([task_index[t] for t in tasks], dtype=np.int64), lengths_np
+            )
+            episode_nbytes = lengths_np * self._frame_nbytes
+            arrays = []
+            for name in self._schema.names:
+                if name in self._image_keys:
+                    pngs = call.encodes[name].result()
+                    sizes = np.fromiter(map(len, pngs), dtype=np.int64, count=len(pngs))
+                    episode_nbytes = episode_nbytes + np.add.reduceat(sizes, starts)
+                    arrays.append(images.to_arrow(pngs))
+                else:
+                    arrays.append(to_arrow(columns[name]))
+            table = pa.Table.from_arrays(arrays, schema=self._schema)
+            info = dict(self._info)
+            info["total_episodes"] = first_episode + len(lengths)
+            info["total_frames"] = first_frame + num_frames
+            info["total_tasks"] = len(all_tasks)
+            info["splits"] = {"train": f"0:{info['total_episodes']}"}
+        except Exception:
+            _discard_encodes(call)
+            raise
 
         data: list[files.Staged] = []
         metadata: list[files.Staged] = []
@@ -269,13 +545,20 @@ class LeRobotWriter:
             # writes (C++, without the GIL): on two cores that hides most of its cost.
             result: dict[str, Any] = {}
             worker = threading.Thread(
-                target=self._merge_stats, args=(columns, num_frames, result), daemon=True
+                target=self._merge_stats, args=(call, num_frames, result), daemon=True
             )
             worker.start()
             try:
-                data_loc, episode_locs = self._stage_data(data, table, lengths_np)
+                data_loc, episode_locs = self._stage_data(data, table, lengths_np, episode_nbytes)
+                video_locs, video_columns = self._stage_videos(staged_videos, call)
                 meta_loc, meta_table, meta_nbytes = self._stage_metadata(
-                    metadata, tasks, lengths_np, episode_locs, first_episode, first_frame
+                    metadata,
+                    tasks,
+                    lengths_np,
+                    episode_locs,
+                    first_episode,
+                    first_frame,
+                    video_columns,
                 )
                 if len(all_tasks) > len(self._tasks):
                     path = self._root / TASKS_PATH
@@ -285,14 +568,20 @@ class LeRobotWriter:
             if "error" in result:
                 raise result["error"]
             other += stats.stage_files(
-                self._root, result["stats"], info["total_frames"], result["json"]
+                self._root,
+                result["stats"],
+                info["total_frames"],
+                result["json"],
+                keep_previous=bool(self._video_keys),
             )
             other.append(files.stage_json(self._root / INFO_PATH, info))
-            # Renames only from here on. The episodes metadata, the rows LeRobot indexes, goes
-            # right before info.json, which commits the call.
-            files.publish([*data, *other[:-1], *metadata, other[-1]])
+            # Renames only from here on: data files and videos (which no committed row names
+            # yet), then tasks and statistics; the episodes metadata, the rows LeRobot indexes,
+            # goes right before info.json, which commits the call.
+            files.publish([*data, *staged_videos, *other[:-1], *metadata, other[-1]])
         except Exception:
-            files.discard([*data, *metadata, *other])
+            files.discard([*data, *staged_videos, *metadata, *other])
+            _discard_encodes(call)
             raise
 
         # Committed: only now does the in-memory state move, so a failed call can be retried.
@@ -301,24 +590,69 @@ class LeRobotWriter:
         self._data_loc = data_loc
         self._meta_loc, self._meta_table, self._meta_nbytes = meta_loc, meta_table, meta_nbytes
         self._stats = result["stats"]
-        return range(first_episode, info["total_episodes"])
+        self._video_locs.update(video_locs)
 
-    def _merge_stats(
-        self, columns: Mapping[str, np.ndarray], num_frames: int, result: dict[str, Any]
-    ) -> None:
-        """Thread body: the statistics with ``columns`` added, and their stats.json entries."""
+    def _merge_stats(self, call: _Call, num_frames: int, result: dict[str, Any]) -> None:
+        """Thread body: the statistics with the call's frames added, and their stats.json."""
         try:
-            merged = {
-                name: self._stats[name].merged(columns[name].reshape(num_frames, -1))
-                for name in self._features
-            }
+            merged = {}
+            for name in self._features:
+                if name in call.cameras:
+                    camera = self._stats[name]
+                    for frames in call.cameras[name]:
+                        camera = camera.merged_episode(frames)
+                    merged[name] = camera
+                else:
+                    values = call.columns[name].reshape(num_frames, -1)
+                    merged[name] = self._stats[name].merged(values)
             result["json"] = {name: s.to_json() for name, s in merged.items()}
             result["stats"] = merged
         except BaseException as err:  # re-raised by the caller's thread
             result["error"] = err
 
+    def _stage_videos(
+        self, staged: list[files.Staged], call: _Call
+    ) -> tuple[dict[str, Location], dict[str, pa.Array]]:
+        """Place the call's encoded video files after each camera's last one.
+
+        Returns:
+            Each camera's last file location, and the episodes-metadata video columns.
+        """
+        locs: dict[str, Location] = {}
+        columns: dict[str, pa.Array] = {}
+        fps = self._info["fps"]
+        for key in self._video_keys:
+            paths, placed = call.encodes[key].result()
+            loc = self._video_locs.get(key)
+            part_locs = []
+            for tmp in paths:
+                loc = next_location(loc, self._info["chunks_size"])
+                part_locs.append(loc)
+                staged.append((tmp, video_path(self._root, key, loc)))
+            locs[key] = loc
+            prefix = f"videos/{key}/"
+            columns[prefix + "chunk_index"] = pa.array(
+                [part_locs[p.part][0] for p in placed], type=pa.int64()
+            )
+            columns[prefix + "file_index"] = pa.array(
+                [part_locs[p.part][1] for p in placed], type=pa.int64()
+            )
+            columns[prefix + "from_timestamp"] = pa.array(
+                [p.start / fps for p in placed], type=pa.float64()
+            )
+            columns[prefix + "to_timestamp"] = pa.array(
+                [(p.start + p.length) / fps for p in placed], type=pa.float64()
+            )
+        for path in {tmp.parent for tmp, path in staged} | {p.parent for _, p in staged}:
+            path.mkdir(parents=True, exist_ok=True)
+        return locs, columns
+
     def _stage_data(
-        self, staged: list[files.Staged], table: pa.Table, lengths_np: np.ndarray
+        self,
+        staged: list[files.Staged],
+        table: pa.Table,
+        lengths_np: np.ndarray,
+        episode_nbytes: np.ndarray,
     ) -> tuple[Location, list[Location]]:
         """Stage the call's data files: greedy, whole episodes, a new file before the limit.
 
@@ -326,6 +660,7 @@ class LeRobotWriter:
             staged: Receives each staged file as it is written.
             table: The call's frames, every column.
             lengths_np: ``[E]`` the call's episode lengths.
+            episode_nbytes: ``[E]`` their uncommitted column bytes.
 
         Returns:
             The last data file's location, and each episode's.
@@ -337,10 +672,11 @@ class LeRobotWriter:
         data_loc = self._data_loc
         episode_locs: list[Location] = []
         group_start = 0
+        cum_bytes = np.concatenate([[0], np.cumsum(episode_nbytes)])
         for i in range(len(lengths) + 1):
             frames = int(ends[i - 1] - starts[group_start]) if i > group_start else 0
             if i < len(lengths) and (
-                i == group_start or (frames + lengths[i]) * self._frame_nbytes <= limit
+                i == group_start or cum_bytes[i + 1] - cum_bytes[group_start] <= limit
             ):
                 continue
             data_loc = next_location(data_loc, self._info["chunks_size"])
@@ -365,6 +701,7 @@ class LeRobotWriter:
         episode_locs: list[Location],
         first_episode: int,
         first_frame: int,
+        video_columns: Mapping[str, pa.Array],
     ) -> tuple[Location, pa.Table | None, int]:
         """Stage the episodes-metadata files that gain rows: row i is episode i.
 
@@ -385,8 +722,9 @@ class LeRobotWriter:
         pending: list[int] = []
         meta_locs: list[Location] = []
         to_write: list[tuple[Location, pa.Table | None, list[int]]] = []
+        video_row_nbytes = 32 * len(video_columns) // 4
         for i, task in enumerate(tasks):
-            row_nbytes = _META_ROW_NBYTES + len(task.encode())
+            row_nbytes = _META_ROW_NBYTES + video_row_nbytes + len(task.encode())
             if (meta_table is not None or pending) and meta_nbytes + row_nbytes > meta_limit:
                 to_write.append((meta_loc, meta_table, pending))
                 meta_loc, meta_table, meta_nbytes, pending = (
@@ -409,6 +747,7 @@ class LeRobotWriter:
             "dataset_to_index": pa.array(first_frame + ends),
             "meta/episodes/chunk_index": pa.array([loc[0] for loc in meta_locs], type=pa.int64()),
             "meta/episodes/file_index": pa.array([loc[1] for loc in meta_locs], type=pa.int64()),
+            **video_columns,
         }
         new_rows = pa.table(rows)
         for loc, existing, members in to_write:
@@ -423,3 +762,17 @@ class LeRobotWriter:
             path = episodes_path(self._root, loc)
             staged.append(files.stage_table(path, meta_table, compression="snappy"))
         return meta_loc, meta_table, meta_nbytes
+
+
+def _discard_encodes(call: _Call) -> None:
+    """Remove the temporary files of a call that will not be committed (waits for encodes)."""
+    for future in call.encodes.values():
+        if future.cancel():
+            continue
+        try:
+            result = future.result()
+        except BaseException:
+            continue
+        if isinstance(result, tuple):
+            for path in result[0]:
+                path.unlink(missing_ok=True)

@@ -1,0 +1,561 @@
+"""LeRobotWriter with cameras: video and image features, read back with pyarrow and PyAV alone.
+
+Frames are small (32x32 video, 16x16 image) smooth synthetic images, so every test encodes in
+milliseconds. A decoded video frame must match its original within ``PSNR_DB`` (SVT-AV1 and
+libx264 at crf 30 give about 38 dB on these); image features are lossless PNG and match
+exactly. Crashes are simulated at every file commit and for real with SIGKILL. The last test
+loads a collector-written dataset with LeRobot itself, skipped where LeRobot is not installed
+(see docs/lerobot.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from jaxtraj.lerobot import LeRobotWriter, files, video
+from jaxtraj.lerobot.images import decode_png
+from jaxtraj.lerobot.stats import downsample, sample_indices
+from jaxtraj.lerobot.writer import LeRobotWriteError
+
+FPS = 10
+PSNR_DB = 30.0
+TOP, WRIST, SIDE = "observation.images.top", "observation.images.wrist", "observation.images.side"
+FEATURES = {
+    "observation.state": {"dtype": "float32", "shape": [3], "names": None},
+    TOP: {"dtype": "video", "shape": [32, 32, 3], "names": None},
+    WRIST: {"dtype": "video", "shape": [16, 24, 3], "names": None},
+    SIDE: {"dtype": "image", "shape": [16, 16, 3], "names": None},
+}
+VIDEO_INFO_KEYS = {
+    "video.height",
+    "video.width",
+    "video.codec",
+    "video.pix_fmt",
+    "video.fps",
+    "video.channels",
+    "has_audio",
+    "video.g",
+    "video.crf",
+    "video.preset",
+}
+
+
+def camera(seed: int, length: int, height: int, width: int) -> np.ndarray:
+    """A smooth moving pattern, ``[length, height, width, 3]`` uint8, unique per seed."""
+    t = np.arange(length, dtype=np.float64)[:, None, None]
+    y, x = np.mgrid[:height, :width].astype(np.float64)
+    phase = seed * 0.7
+    r = 128 + 90 * np.sin((x + 2 * t) / 7.0 + phase)
+    g = 128 + 90 * np.cos((y - t) / 9.0 + phase)
+    b = np.broadcast_to(40 + 3 * t + 10 * (seed % 7), r.shape)
+    return np.stack([r, g, b], -1).clip(0, 255).astype(np.uint8)
+
+
+def make_episode(seed: int, length: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {
+        "observation.state": rng.normal(size=(length, 3)).astype(np.float32),
+        TOP: camera(seed, length, 32, 32),
+        WRIST: camera(seed + 1000, length, 16, 24),
+        SIDE: camera(seed + 2000, length, 16, 16),
+    }
+
+
+def batch(first_seed: int, lengths) -> tuple[list[dict], list[str]]:
+    episodes = [make_episode(first_seed + i, n) for i, n in enumerate(lengths)]
+    return episodes, [f"task {(first_seed + i) % 2}" for i in range(len(lengths))]
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2)
+    return float(10 * np.log10(255.0**2 / max(mse, 1e-12)))
+
+
+def read_episodes(root: Path) -> dict[str, np.ndarray]:
+    paths = sorted(root.glob("meta/episodes/*/*.parquet"))
+    table = pa.concat_tables([pq.read_table(p) for p in paths], promote_options="default")
+    return {name: table.column(name).to_numpy() for name in table.column_names if name != "tasks"}
+
+
+def check_videos(root: Path, episodes: list[dict], strict: bool = True) -> dict:
+    """Every invariant of the committed cameras against the episodes that went in."""
+    info = json.loads((root / "meta/info.json").read_text())
+    n_ep = info["total_episodes"]
+    assert (
+        info["video_path"] == "videos/{video_key}/chunk-{chunk_index:03d}/file-{file_index:03d}.mp4"
+    )
+    meta = read_episodes(root)
+    if strict:
+        assert len(meta["episode_index"]) == n_ep
+    lengths = meta["length"][:n_ep]
+    assert [len(e[TOP]) for e in episodes[:n_ep]] == lengths.tolist()
+    fps = info["fps"]
+    decoded: dict[Path, np.ndarray] = {}
+    for key in (TOP, WRIST):
+        spec = info["features"][key]
+        assert spec["dtype"] == "video" and spec["names"] == ["height", "width", "channels"]
+        assert VIDEO_INFO_KEYS <= set(spec["info"]) and spec["info"]["has_audio"] is False
+        assert (spec["info"]["video.height"], spec["info"]["video.width"]) == tuple(
+            spec["shape"][:2]
+        )
+        prefix = f"videos/{key}/"
+        previous = None
+        for ep in range(n_ep):
+            loc = (int(meta[prefix + "chunk_index"][ep]), int(meta[prefix + "file_index"][ep]))
+            start, end = meta[prefix + "from_timestamp"][ep], meta[prefix + "to_timestamp"][ep]
+            # An episode spans exactly its frames; episodes follow each other within a file.
+            assert end - start == pytest.approx(lengths[ep] / fps)
+            if previous is not None and previous[0] == loc:
+                assert start == pytest.approx(previous[1])
+            else:
+                assert start == 0.0
+            previous = (loc, end)
+            path = root / info["video_path"].format(
+                video_key=key, chunk_index=loc[0], file_index=loc[1]
+            )
+            if path not in decoded:
+                decoded[path] = video.decode(path)
+            frames = decoded[path][round(start * fps) : round(end * fps)]
+            assert len(frames) == lengths[ep]
+            assert psnr(frames, episodes[ep][key]) >= PSNR_DB, (key, ep)
+        for path, frames in decoded.items():
+            if key in path.as_posix():
+                assert video.num_frames(path) == len(frames)
+    # Only committed video files exist once the folder is consistent, none half-written.
+    if strict:
+        assert {p for p in root.glob("videos/*/*/*.mp4")} == set(decoded)
+        assert not [p for p in root.rglob("*") if files.is_tmp(p)]
+
+    data = pa.concat_tables([pq.read_table(p) for p in sorted(root.glob("data/*/*.parquet"))])
+    assert TOP not in data.column_names and WRIST not in data.column_names
+    assert data.schema.field(SIDE).type == pa.struct(
+        [("bytes", pa.binary()), ("path", pa.string())]
+    )
+    data = data.slice(0, int(lengths.sum()))
+    pngs = data.column(SIDE).combine_chunks().field("bytes").to_pylist()
+    want = np.concatenate([e[SIDE] for e in episodes[:n_ep]])
+    np.testing.assert_array_equal(np.stack([decode_png(p) for p in pngs]), want)
+    np.testing.assert_allclose(
+        data.column("timestamp").to_numpy(),
+        np.concatenate([np.arange(n) / fps for n in lengths]),
+        rtol=1e-6,
+    )
+
+    if not strict:  # a crash between renames may have published the next call's statistics
+        return info
+    stats = json.loads((root / "meta/stats.json").read_text())
+    for key in (TOP, WRIST, SIDE):
+        s = {k: np.asarray(v) for k, v in stats[key].items()}
+        for name in ("min", "max", "mean", "std", "q01", "q10", "q50", "q90", "q99"):
+            assert s[name].shape == (3, 1, 1), (key, name)
+        sampled = np.concatenate(
+            [downsample(e[key][sample_indices(len(e[key]))]) for e in episodes[:n_ep]]
+        )
+        assert s["count"].tolist() == [len(sampled)]
+        pixels = sampled.reshape(-1, 3) / 255.0
+        np.testing.assert_allclose(s["mean"].reshape(3), pixels.mean(0), rtol=1e-9)
+        np.testing.assert_allclose(s["std"].reshape(3), pixels.std(0), rtol=1e-6)
+        np.testing.assert_array_equal(s["min"].reshape(3), pixels.min(0))
+        np.testing.assert_array_equal(s["max"].reshape(3), pixels.max(0))
+        np.testing.assert_allclose(s["q50"].reshape(3), np.quantile(pixels, 0.5, axis=0))
+        np.testing.assert_allclose(s["q99"].reshape(3), np.quantile(pixels, 0.99, axis=0))
+    return info
+
+
+def test_cameras_written_as_lerobot_features(tmp_path):
+    root = tmp_path / "ds"
+    calls = [batch(0, [12, 7, 20]), batch(3, [5, 9])]
+    with LeRobotWriter(root, fps=FPS, features=FEATURES) as writer:
+        for episodes, tasks in calls:
+            writer.add_episodes(episodes, tasks)
+    info = check_videos(root, calls[0][0] + calls[1][0])
+    assert (info["total_episodes"], info["total_frames"]) == (5, 53)
+    assert info["features"][TOP]["info"]["video.codec"] == "av1"
+    assert info["features"][TOP]["info"]["video.crf"] == 30
+    assert info["features"][TOP]["info"]["video.g"] == 2
+    assert info["features"][SIDE] == {
+        "dtype": "image",
+        "shape": [16, 16, 3],
+        "names": ["height", "width", "channels"],
+    }
+    # Several episodes share one file (the cap is 200 MB); a call starts a new file.
+    meta = read_episodes(root)
+    assert meta[f"videos/{TOP}/file_index"].tolist() == [0, 0, 0, 1, 1]
+
+
+def test_file_size_cap_and_chunks(tmp_path):
+    root = tmp_path / "ds"
+    episodes, tasks = batch(0, [30, 30, 30, 30, 30])
+    # A cap below one episode's bytes: episodes spread over files, two files per chunk.
+    with LeRobotWriter(
+        root, fps=FPS, features=FEATURES, video_files_size_in_mb=1e-3, chunks_size=2
+    ) as writer:
+        writer.add_episodes(episodes, tasks)
+    check_videos(root, episodes)
+    meta = read_episodes(root)
+    locs = list(zip(meta[f"videos/{TOP}/chunk_index"], meta[f"videos/{TOP}/file_index"]))
+    distinct = sorted(set(locs))
+    assert len(distinct) >= 3 and locs == sorted(locs)
+    assert distinct == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0)][: len(distinct)]
+
+
+def test_h264_and_resume_keeps_the_settings(tmp_path):
+    root = tmp_path / "ds"
+    first, second = batch(0, [8, 4]), batch(2, [6])
+    with LeRobotWriter(root, fps=FPS, features=FEATURES, video_codec="h264", crf=23) as writer:
+        writer.add_episodes(*first)
+    with LeRobotWriter.open(root) as writer:
+        assert writer.add_episodes(*second) == range(2, 3)
+    info = check_videos(root, first[0] + second[0])
+    assert info["features"][TOP]["info"]["video.codec"] == "h264"
+    assert info["features"][TOP]["info"]["video.crf"] == 23
+    with pytest.raises(ValueError, match="features differ"):
+        LeRobotWriter(root, fps=FPS, features=FEATURES)  # libsvtav1: another dataset
+
+
+@pytest.mark.parametrize(
+    "spec, match",
+    [
+        ({"dtype": "video", "shape": [3, 32, 32]}, r"needs shape \[H, W, 3\]"),
+        ({"dtype": "video", "shape": [15, 32, 3]}, "even height and width"),
+        ({"dtype": "image", "shape": [16, 16, 4]}, r"needs shape \[H, W, 3\]"),
+    ],
+)
+def test_bad_camera_features(tmp_path, spec, match):
+    with pytest.raises(ValueError, match=match):
+        LeRobotWriter(tmp_path / "ds", fps=FPS, features={TOP: spec})
+    assert not (tmp_path / "ds").exists()
+
+
+def test_bad_camera_frames_are_refused_before_anything_is_queued(tmp_path):
+    with LeRobotWriter(tmp_path / "ds", fps=FPS, features=FEATURES) as writer:
+        episodes, tasks = batch(0, [5])
+        episodes[0][TOP] = episodes[0][TOP].astype(np.float32)
+        with pytest.raises(ValueError, match="expected uint8"):
+            writer.add_episodes(episodes, tasks)
+        episodes, tasks = batch(0, [5])
+        episodes[0][WRIST] = episodes[0][WRIST][:4]
+        with pytest.raises(ValueError, match=r"expected uint8 \[5, 16, 24, 3\]"):
+            writer.add_episodes(episodes, tasks)
+        assert writer.num_episodes == 0
+
+
+class Gate:
+    """Holds every video encode until released, counting those that started."""
+
+    def __init__(self, monkeypatch):
+        self.release = threading.Event()
+        self.started = 0
+        real = video.encode
+
+        def held(*args, **kwargs):
+            self.started += 1
+            assert self.release.wait(30)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(video, "encode", held)
+
+
+def test_add_returns_while_encoding_and_close_waits(tmp_path, monkeypatch):
+    gate = Gate(monkeypatch)
+    writer = LeRobotWriter(tmp_path / "ds", fps=FPS, features=FEATURES)
+    episodes, tasks = batch(0, [6, 6])
+    start = time.perf_counter()
+    assert writer.add_episodes(episodes, tasks) == range(0, 2)
+    assert time.perf_counter() - start < 5  # the encoders are held: nothing was encoded
+    assert (writer.num_episodes, writer.committed_episodes) == (2, 0)
+    info = json.loads((tmp_path / "ds/meta/info.json").read_text())
+    assert info["total_episodes"] == 0
+    gate.release.set()
+    writer.close()
+    assert writer.committed_episodes == 2
+    check_videos(tmp_path / "ds", episodes)
+    with pytest.raises(ValueError, match="closed"):
+        writer.add_episodes(episodes, tasks)
+
+
+def test_pending_frames_are_bounded(tmp_path, monkeypatch):
+    gate = Gate(monkeypatch)
+    one_call = sum(
+        a.nbytes for e in batch(0, [6])[0] for k, a in e.items() if k != "observation.state"
+    )
+    writer = LeRobotWriter(
+        tmp_path / "ds", fps=FPS, features=FEATURES, max_pending_mb=1.5 * one_call / (1 << 20)
+    )
+    calls = [batch(i, [6]) for i in range(3)]
+    writer.add_episodes(*calls[0])  # accepted: under the bound
+    second = threading.Thread(target=writer.add_episodes, args=calls[1])
+    second.start()
+    second.join(0.3)
+    assert second.is_alive()  # blocked, not dropped
+    gate.release.set()
+    second.join(30)
+    writer.add_episodes(*calls[2])
+    writer.close()
+    check_videos(tmp_path / "ds", [e for episodes, _ in calls for e in episodes])
+
+
+def test_encoder_error_names_the_episode_and_stops_the_writer(tmp_path, monkeypatch):
+    root = tmp_path / "ds"
+    writer = LeRobotWriter(root, fps=FPS, features=FEATURES)
+    first = batch(0, [5, 5])
+    writer.add_episodes(*first)
+    writer.wait()
+
+    real = video.encode
+
+    def failing(part_path, episodes, *args, **kwargs):
+        if len(episodes) == 3:  # the second call: its episode 3 (the second) breaks
+            episodes = [episodes[0], episodes[1][:, :, :, :2], episodes[2]]
+        return real(part_path, episodes, *args, **kwargs)
+
+    monkeypatch.setattr(video, "encode", failing)
+    writer.add_episodes(*batch(2, [4, 4, 4]))
+    with pytest.raises(LeRobotWriteError, match="episode 3") as err:
+        writer.close()
+    assert "episodes 2 to 4 were not written" in str(err.value)
+    with pytest.raises(LeRobotWriteError):
+        writer.add_episodes(*first)
+    # The folder is as the first call left it; reopening finds nothing to drop.
+    monkeypatch.setattr(video, "encode", real)
+    assert not [p for p in root.rglob("*") if files.is_tmp(p)]
+    assert LeRobotWriter.open(root).committed_episodes == 2
+    check_videos(root, first[0])
+
+
+class Killed(BaseException):
+    """Stands for the process dying: nothing in the writer catches a BaseException."""
+
+
+def test_crash_at_every_commit_resumes_without_gaps(tmp_path):
+    first, second = batch(0, [5, 8]), batch(2, [6, 7])
+    # Count the second call's renames: data, videos, stats.json, the statistics cache moved
+    # aside and replaced, the episodes metadata, info.json.
+    renames, real = [0], files.commit
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(
+            files,
+            "commit",
+            lambda tmp, path: (renames.__setitem__(0, renames[0] + 1), real(tmp, path)),
+        )
+        with LeRobotWriter(tmp_path / "count", fps=FPS, features=FEATURES) as writer:
+            writer.add_episodes(*first)
+            writer.wait()
+            renames[0] = 0
+            writer.add_episodes(*second)
+    assert renames[0] >= 8
+    for k in range(renames[0]):
+        root = tmp_path / f"crash-{k}"
+        with LeRobotWriter(root, fps=FPS, features=FEATURES) as w:
+            w.add_episodes(*first)
+        seen = [0]
+        real = files.commit
+
+        def dying(tmp, path, k=k):
+            if seen[0] == k:
+                raise Killed
+            seen[0] += 1
+            real(tmp, path)
+
+        writer = LeRobotWriter.open(root)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(files, "commit", dying)
+            writer.add_episodes(*second)
+            with pytest.raises(LeRobotWriteError):
+                writer.close()
+            assert seen[0] == k
+        committed = json.loads((root / "meta/info.json").read_text())["total_episodes"]
+        check_videos(root, first[0] + second[0], strict=False)
+        assert committed == 2  # info.json is the last rename
+        # Reopening drops the tail (video files included); the call is then redone.
+        with LeRobotWriter.open(root) as writer:
+            assert writer.num_frames == 13
+            writer.add_episodes(*second)
+        check_videos(root, first[0] + second[0])
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, {tests!r})
+    from test_lerobot_video import FEATURES, batch
+    from jaxtraj.lerobot import LeRobotWriter
+    writer = LeRobotWriter(sys.argv[1], fps=10, features=FEATURES, video_files_size_in_mb=0.002)
+    for call in range(100_000):
+        writer.add_episodes(*batch(3 * call, [5, 9, 7]))
+        print(call, flush=True)
+    """
+).format(tests=str(Path(__file__).parent))
+
+
+def test_sigkilled_while_encoding_resumes_without_gaps(tmp_path):
+    root = tmp_path / "ds"
+    script = tmp_path / "loop.py"
+    script.write_text(SCRIPT)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(root)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        deadline = time.time() + 60
+        committed = 0
+        while committed < 6 and time.time() < deadline:
+            assert proc.poll() is None
+            time.sleep(0.05)
+            try:
+                committed = json.loads((root / "meta/info.json").read_text())["total_episodes"]
+            except (OSError, ValueError):
+                pass
+        assert committed >= 6
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=60)
+    everything = [e for call in range(200) for e in batch(3 * call, [5, 9, 7])[0]]
+    check_videos(root, everything, strict=False)
+    writer = LeRobotWriter.open(root, encoder_workers=1)
+    done = writer.num_episodes
+    assert done % 3 == 0 and done >= 6
+    check_videos(root, everything)
+    # Appending goes on from the last committed episode: no gap, no duplicate.
+    assert writer.add_episodes(*batch(done, [5, 9, 7])) == range(done, done + 3)
+    writer.close()
+    check_videos(root, everything[: done + 3])
+
+
+def test_resume_rebuilds_camera_stats_from_the_files(tmp_path):
+    root = tmp_path / "ds"
+    episodes, tasks = batch(0, [10, 12])
+    with LeRobotWriter(root, fps=FPS, features=FEATURES) as writer:
+        writer.add_episodes(episodes, tasks)
+    before = json.loads((root / "meta/stats.json").read_text())
+    (root / "meta/.jaxtraj-stats.npz").unlink()
+    LeRobotWriter.open(root).close()
+    after = json.loads((root / "meta/stats.json").read_text())
+    assert after[SIDE] == before[SIDE]  # PNG is lossless
+    for key in (TOP, WRIST):  # rebuilt from the decoded (lossy) videos
+        assert after[key]["count"] == before[key]["count"]
+        np.testing.assert_allclose(after[key]["mean"], before[key]["mean"], atol=0.02)
+        np.testing.assert_allclose(after[key]["std"], before[key]["std"], atol=0.02)
+
+
+# -- the collector's side: cameras travel with the frames on device -------------------------
+
+
+CAMERA_KINDS = {TOP: "video", WRIST: "video", SIDE: "image"}
+
+
+def collector_run(root: Path, steps: int = 3):
+    """A lerobot-mode collector whose observations hold three cameras, written by the writer.
+
+    Returns the writer (closed) and every episode it was handed, in episode-index order.
+    """
+    import dataclasses
+
+    from helpers import PLAN, B, T, all_parts
+
+    import jaxtraj
+
+    plan = dataclasses.replace(PLAN, mode="lerobot", num_env_ranks=1, max_episode_length=16)
+
+    def with_cameras(part, step):
+        if not hasattr(part, "obs"):
+            return part
+        tag = int(part.source.key.epoch_id) * T + int(part.source.key.chunk_id) + 100 * step
+        obs = {"state": part.obs["state"]}
+        for key, shape in (("top", (32, 32)), ("wrist", (16, 24)), ("side", (16, 16))):
+            obs[key] = np.stack([camera(tag + 7 * b + len(key), 1, *shape)[0] for b in range(B)])
+        return part.replace(obs=obs)
+
+    parts = [[with_cameras(p, step) for p in all_parts(step=step)] for step in range(steps)]
+    features = jaxtraj.lerobot.features(plan, parts[0][0], parts[0][1], cameras=CAMERA_KINDS)
+    writer = LeRobotWriter(root, fps=FPS, features=features)
+    c = jaxtraj.TrajectoryCollector(plan, parts[0][0], parts[0][1], writer=writer, tasks="pick")
+    written, steps_of = [], []
+    for step, step_parts in enumerate(parts):
+        for p in step_parts:
+            done = [frames for _, eps in c.add(p) for _, frames in eps]
+            written += done
+            steps_of += [step] * len(done)
+    writer.close()
+    # Some episodes crossed a training step: written in a step, they began in the one before
+    # (helpers' states count 1000 per step).
+    assert any(f["observation.state"][0, 0] < 1000 * s for f, s in zip(written, steps_of))
+    return writer, written
+
+
+def test_collector_writes_camera_episodes_across_steps(tmp_path):
+    root = tmp_path / "ds"
+    writer, written = collector_run(root)
+    info = json.loads((root / "meta/info.json").read_text())
+    assert {k: info["features"][k]["dtype"] for k in CAMERA_KINDS} == CAMERA_KINDS
+    assert info["features"][WRIST]["shape"] == [16, 24, 3]
+    assert info["total_episodes"] == len(written) > 0
+    for frames in written:
+        assert frames[TOP].shape == (len(frames["action"]), 32, 32, 3)
+    check_videos(root, written)
+
+
+def test_lerobot_loads_a_collector_dataset_with_cameras(tmp_path, monkeypatch):
+    """LeRobot 0.6.1's loader, offline, pyav backend: two video cameras and an image camera."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lerobot_dataset = pytest.importorskip("lerobot.datasets.lerobot_dataset")
+    root = tmp_path / "ds"
+    _, episodes = collector_run(root)
+    lengths = [len(e[TOP]) for e in episodes]
+    bounds = np.cumsum([0, *lengths])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ds = lerobot_dataset.LeRobotDataset("local/jaxtraj_cams", root=root, video_backend="pyav")
+        assert len(ds) == bounds[-1] and ds.num_episodes == len(episodes)
+        assert set(ds.meta.video_keys) == {TOP, WRIST} and ds.meta.image_keys == [SIDE]
+        for i in range(len(ds)):
+            item = ds[i]
+            ep = int(np.searchsorted(bounds, i, side="right") - 1)
+            frame = i - bounds[ep]
+            assert int(item["episode_index"]) == ep and int(item["frame_index"]) == frame
+            for key in (TOP, WRIST, SIDE):
+                got = (np.asarray(item[key]).transpose(1, 2, 0) * 255).round().astype(np.uint8)
+                want = episodes[ep][key][frame]
+                if key == SIDE:
+                    np.testing.assert_array_equal(got, want)
+                else:
+                    assert psnr(got, want) >= PSNR_DB, (key, i)
+        for key in (TOP, WRIST, SIDE):
+            for stat in ("min", "max", "mean", "std", "q01", "q99"):
+                assert tuple(ds.meta.stats[key][stat].shape) == (3, 1, 1), (key, stat)
+        # delta_timestamps: the neighbours of a frame, padded at the episode's edges.
+        windowed = lerobot_dataset.LeRobotDataset(
+            "local/jaxtraj_cams",
+            root=root,
+            video_backend="pyav",
+            delta_timestamps={TOP: [-0.1, 0.0, 0.1]},
+        )
+        for i in (int(bounds[1]), int(bounds[1] + 3), int(bounds[2] - 1), int(bounds[-1] - 1)):
+            item = windowed[i]
+            ep = int(np.searchsorted(bounds, i, side="right") - 1)
+            frame = i - bounds[ep]
+            pad = item[f"{TOP}_is_pad"].tolist()
+            assert pad == [frame == 0, False, frame == lengths[ep] - 1]
+            got = (np.asarray(item[TOP]).transpose(0, 2, 3, 1) * 255).round().astype(np.uint8)
+            for j, offset in enumerate((-1, 0, 1)):
+                if not pad[j]:
+                    assert psnr(got[j], episodes[ep][TOP][frame + offset]) >= PSNR_DB
