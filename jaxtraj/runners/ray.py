@@ -75,7 +75,6 @@ from jaxtraj.runners.service import (
     RunnerError,
     chunk_keys,
     env_part,
-    key_rng,
     key_rngs,
     stamp_versions,
 )
@@ -99,7 +98,6 @@ class EnvWorker:
       env_rank: the rank this actor owns.
       plan: the collector's plan (batch size, for the env halves).
       policy_fn: the policy, when inference runs in the actor (``policy="actor"``).
-      seed: base seed of :func:`key_rng` (policy sampling).
       stamp: whether the plan keeps ``versions`` (stamped with the model version).
     """
 
@@ -109,11 +107,10 @@ class EnvWorker:
         env_rank: int,
         plan: TrajectoryPlan,
         policy_fn: PolicyFn | None = None,
-        seed: int = 0,
         stamp: bool = True,
     ):
         self.env, self.plan = env_fn(env_rank), plan
-        self.policy_fn, self.seed, self.stamp = policy_fn, seed, stamp
+        self.policy_fn, self.stamp = policy_fn, stamp
         self.obs: PyTree = None
         self.prev = None  # the last chunk's EnvTransition (chunk 0 carries its flags)
 
@@ -133,14 +130,17 @@ class EnvWorker:
         self.obs, self.prev = out.obs, out.transition
         return part, out.obs, self._snapshot()
 
-    def run(self, keys: Sequence[tuple], params: Any, version: int) -> tuple[list, Any]:
-        """Infer and execute chunks ``keys`` in order: ``([(policy half, env half)],
+    def run(
+        self, keys: Sequence[tuple], rngs: Sequence[Any], params: Any, version: int
+    ) -> tuple[list, Any]:
+        """Infer and execute chunks ``keys`` in order, sampling with ``rngs`` (their
+        :func:`~jaxtraj.runners.service.key_rng`): ``([(policy half, env half)],
         snapshot)``."""
         out = []
         bsz = self.plan.batch_size
-        for k in keys:
+        for k, rng in zip(keys, rngs):
             key = TrajectoryKey(*k)
-            output = self.policy_fn(params, self.obs, key_rng(self.seed, key))
+            output = self.policy_fn(params, self.obs, rng)
             output = stamp_versions(output, version, self.stamp)
             policy = PolicyPart(TrajectorySource(key, bsz, 0), self.obs, output)
             step = self.env.step(key, output.actions)
@@ -163,6 +163,28 @@ class EnvWorker:
     def _snapshot(self) -> Any:
         get = getattr(self.env, "get_state", None)
         return None if get is None else get()
+
+
+@dataclass(frozen=True)
+class _Failure:
+    """A request that raised (in place of its result)."""
+
+    exc: BaseException
+
+
+def _fetch(refs: list) -> list:
+    """The results of ``refs`` (ready ones) in one call; a :class:`_Failure` for each
+    that raised."""
+    try:
+        return ray.get(refs)
+    except ray.exceptions.RayError:
+        out = []
+        for ref in refs:
+            try:
+                out.append(ray.get(ref))
+            except ray.exceptions.RayError as exc:
+                out.append(_Failure(exc))
+        return out
 
 
 @dataclass
@@ -208,7 +230,8 @@ class RayRunner:
       num_steps: training steps each :meth:`run` collects.
       step_id, stage_id: the first training step, and the stage of every key.
       env_ranks: the env ranks, one actor each; default ``range(plan.num_env_ranks)``.
-      seed: base seed of :func:`key_rng`.
+      seed: base seed of :func:`~jaxtraj.runners.service.key_rng` (computed in the
+        learner for every chunk, also when the policy runs in the actors).
       policy: ``"learner"`` (Sebulba-style) or ``"actor"``.
       chunks_per_call, max_in_flight: with ``policy="actor"``, chunks per actor call
         (batched in one transfer) and outstanding calls per actor.
@@ -344,7 +367,7 @@ class RayRunner:
         self._start()
         self._consumer = consumer = Consumer(self.collector, self.on_flush, self.output_queue)
         keys = [k for r in self.env_ranks for k in self.keys(r)]
-        self._rngs = key_rngs(self.seed, keys) if self.policy == "learner" else {}
+        self._rngs = key_rngs(self.seed, keys)  # every chunk's PRNG key, in one call
         for w in self._ranks:
             w.keys, w.n, w.sent, w.failures = self.keys(w.rank), 0, 0, 0
         try:
@@ -362,11 +385,12 @@ class RayRunner:
                 if not refs:
                     time.sleep(_POLL_S)
                     continue
-                ready, _ = ray.wait(refs, num_returns=1, timeout=_POLL_S)
-                if ready and len(refs) > 1:  # every head that is ready, in one call
-                    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-                for ref in ready:
-                    self._receive(heads[ref])
+                # Every head that is ready, fetched in one call; else wait for one.
+                ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+                if not ready:
+                    ready, _ = ray.wait(refs, num_returns=1, timeout=_POLL_S)
+                for ref, result in zip(ready, _fetch(ready)):
+                    self._receive(heads[ref], result)
                 if self.stall_timeout_s is not None and time.monotonic() > stall_at:
                     stall_at = time.monotonic() + self.stall_timeout_s / 4
                     self._check_stalled()
@@ -393,7 +417,7 @@ class RayRunner:
         )
         policy_fn = self.policy_fn if self.policy == "actor" else None
         for w in todo:
-            w.actor = cls.remote(self.env_fn, w.rank, self.plan, policy_fn, self.seed, self._stamp)
+            w.actor = cls.remote(self.env_fn, w.rank, self.plan, policy_fn, self._stamp)
 
     def _params_for_actors(self) -> tuple[Any, int]:
         with self._lock:
@@ -419,7 +443,8 @@ class RayRunner:
         while len(w.pending) < self.max_in_flight and w.sent < len(w.keys):
             batch = [k.as_tuple() for k in w.keys[w.sent : w.sent + self.chunks_per_call]]
             ref = ref or self._params_for_actors()
-            w.pending.append(("run", w.actor.run.remote(batch, ref[0], ref[1]), batch))
+            rngs = [self._rngs[k] for k in batch]
+            w.pending.append(("run", w.actor.run.remote(batch, rngs, ref[0], ref[1]), batch))
             w.sent += len(batch)
 
     def _infer(self, w: _Rank) -> None:
@@ -440,19 +465,20 @@ class RayRunner:
         ref = w.actor.step.remote(key.as_tuple(), output.actions)
         w.pending.append(("step", ref, key))
 
-    def _receive(self, w: _Rank) -> None:
-        kind, ref, payload = w.pending.popleft()
-        try:
-            result = ray.get(ref)
-        except ray.exceptions.RayActorError as exc:
+    def _receive(self, w: _Rank, result: Any) -> None:
+        """Handle the result of rank ``w``'s oldest request (a :class:`_Failure` if it
+        raised)."""
+        kind, _, payload = w.pending.popleft()
+        if isinstance(result, _Failure):
+            exc = result.exc
+            if isinstance(exc, ray.exceptions.RayTaskError):  # the environment raised
+                cause = getattr(exc, "cause", None) or exc
+                raise RunnerError(w.name, w.key(), cause, self.delivered) from exc
             if kind == "ping" and isinstance(exc, ray.exceptions.ActorUnavailableError):
                 w.ping_at = time.monotonic() + _RETRY_S  # still restarting: ask again soon
                 return
-            self._restart(w, exc)
+            self._restart(w, exc)  # the process died, or its result was lost
             return
-        except ray.exceptions.RayTaskError as exc:  # the environment (or policy) raised
-            cause = getattr(exc, "cause", None) or exc
-            raise RunnerError(w.name, w.key(), cause, self.delivered) from exc
         if kind == "reset":
             w.obs, w.started = result, True
             w.snapshot, w.prev, w.replay = None, None, []
@@ -545,7 +571,7 @@ class RayRunner:
                 if not ready:
                     break
                 try:
-                    self._receive(w)
+                    self._receive(w, _fetch(ready)[0])
                 except Exception:  # the first failure is the one reported
                     break
         self._draining = False
