@@ -13,6 +13,7 @@ import importlib
 import os
 import pathlib
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -48,11 +49,13 @@ class PointEnv:
       die_at: a key at which the process exits (``os._exit``): once if ``marker`` is a
         path (the file records that it happened), else every time.
       raise_at: a key at which ``step`` raises.
+      hang_at: a key at which ``step`` hangs, once (``marker`` records it).
       snapshots: offer ``get_state`` / ``set_state`` (else a restart replays).
     """
 
-    def __init__(self, rank, die_at=None, marker=None, raise_at=None, snapshots=True):
+    def __init__(self, rank, die_at=None, marker=None, raise_at=None, snapshots=True, hang_at=None):
         self.rank, self.die_at, self.marker, self.raise_at = rank, die_at, marker, raise_at
+        self.hang_at = hang_at
         if snapshots:
             self.get_state = lambda: (self.pos.copy(), self.t.copy())
             self.set_state = self._set_state
@@ -75,6 +78,9 @@ class PointEnv:
                 if self.marker is not None:
                     pathlib.Path(self.marker).touch()
                 os._exit(1)  # the worker process dies mid-step
+        if key.as_tuple() == self.hang_at and not os.path.exists(self.marker):
+            pathlib.Path(self.marker).touch()
+            time.sleep(600)  # a hung simulator: alive, silent
         if key.as_tuple() == self.raise_at:
             raise RuntimeError("simulator crashed")
         rng = np.random.default_rng([SEED + 1, *(int(v) for v in key.fields())])
@@ -212,6 +218,24 @@ def _env_dying_once(rank, die_at, marker, snapshots):
     return PointEnv(
         rank, die_at=die_at if rank == die_at[2] else None, marker=marker, snapshots=snapshots
     )
+
+
+def _env_hanging_once(rank, hang_at, marker):
+    return PointEnv(rank, hang_at=hang_at if rank == hang_at[2] else None, marker=marker)
+
+
+def test_hung_worker_is_killed_restarted_and_the_step_is_bit_identical(
+    ray_instance, reference, tmp_path
+):
+    hang = (0, 1, 0, 0, 2)
+    marker = str(tmp_path / "hung")
+    env_fn = functools.partial(_env_hanging_once, hang_at=hang, marker=marker)
+    with ray_runner(make_collector(), env_fn, stall_timeout_s=2.0) as runner:
+        got = by_source(runner.run())
+        assert runner.restarts == 1
+    assert os.path.exists(marker)
+    for k in reference:
+        assert_same(got[k], reference[k])
 
 
 def test_persistent_failure_names_worker_and_key_and_keeps_the_data(ray_instance, reference):

@@ -33,8 +33,9 @@ offers ``get_state`` / ``set_state`` (a snapshot comes back with every result), 
 has the same key, randomness and actions, so the step's :class:`~jaxtraj.Trajectory` is
 bit-identical to an undisturbed run. With ``TrajectoryPlan(resend="accept_identical")``
 a half that reaches the collector twice is accepted once, if identical. A worker that
-is alive but silent for ``stall_timeout_s`` (``collector.check_stalled``) is killed,
-so Ray restarts it and it redoes its chunk. A worker that fails more than
+is alive but has not answered a request for ``stall_timeout_s`` (a hung simulator) is
+killed, so Ray restarts it and it redoes its chunk. At the end of a run the runner checks
+with ``collector.missing()`` that no half of the collected steps is missing. A worker that fails more than
 ``max_restarts`` times, or whose environment raises, stops the run: every actor is
 shut down, the results already returned are inserted, and :class:`RunnerError` names
 the worker and the key; what was collected stays in the collector. ``close()`` (or the
@@ -205,7 +206,7 @@ class _Rank:
     prev: Any = None
     replay: list = field(default_factory=list)  # (key, actions) since the restore point
     failures: int = 0  # failures since the last progress
-    killed_at: float = -1.0  # when a stall last had it killed
+    progress_at: float = 0.0  # when it last answered (or was first asked)
     ping_at: float | None = None  # when to ask a restarting actor again whether it is up
 
     @property
@@ -235,10 +236,10 @@ class RayRunner:
       policy: ``"learner"`` (Sebulba-style) or ``"actor"``.
       chunks_per_call, max_in_flight: with ``policy="actor"``, chunks per actor call
         (batched in one transfer) and outstanding calls per actor.
-      max_restarts: restarts of one worker before the run stops (Ray's
-        ``max_restarts`` of each actor too).
-      stall_timeout_s: kill (and so restart) a worker whose source sent nothing for
-        this long while parts are missing; ``None``: never.
+      max_restarts: failures of one worker without progress in between before the run
+        stops (Ray itself restarts the actors without limit).
+      stall_timeout_s: kill (and so restart) a worker that has not answered a request
+        for this long; ``None``: never.
       actor_options: extra ``ray.remote`` options of the env actors (``num_cpus``,
         ``resources``, ``scheduling_strategy``: where they are placed).
       on_flush, output_queue: where flushed items go (as :class:`AsyncRunner`); else
@@ -372,6 +373,7 @@ class RayRunner:
             w.keys, w.n, w.sent, w.failures = self.keys(w.rank), 0, 0, 0
         try:
             for w in self._ranks:
+                w.progress_at = time.monotonic()
                 self._submit(w)
             stall_at = time.monotonic()
             while any(w.n < len(w.keys) for w in self._ranks):
@@ -392,8 +394,9 @@ class RayRunner:
                 for ref, result in zip(ready, _fetch(ready)):
                     self._receive(heads[ref], result)
                 if self.stall_timeout_s is not None and time.monotonic() > stall_at:
-                    stall_at = time.monotonic() + self.stall_timeout_s / 4
-                    self._check_stalled()
+                    stall_at = time.monotonic() + min(self.stall_timeout_s / 4, 1.0)
+                    self._kill_stalled()
+            self._check_complete()
         except BaseException as exc:  # KeyboardInterrupt included
             if not isinstance(exc, KeyboardInterrupt):
                 self._drain()
@@ -469,6 +472,7 @@ class RayRunner:
         """Handle the result of rank ``w``'s oldest request (a :class:`_Failure` if it
         raised)."""
         kind, _, payload = w.pending.popleft()
+        w.progress_at = time.monotonic()
         if isinstance(result, _Failure):
             exc = result.exc
             if isinstance(exc, ray.exceptions.RayTaskError):  # the environment raised
@@ -547,20 +551,30 @@ class RayRunner:
                 return
         self._submit(w)
 
-    def _check_stalled(self) -> None:
-        try:
-            self.collector.check_stalled(self.stall_timeout_s)
-        except CollectorError as exc:
-            if exc.code != ErrorCode.SOURCE_TIMEOUT:
-                raise
-            rank = exc.key[2] if exc.key is not None else None
-            now = time.monotonic()
-            for w in self._ranks:
-                if w.rank != rank or w.actor is None or not w.pending:
-                    continue
-                if now - w.killed_at > self.stall_timeout_s:
-                    w.killed_at = now
-                    ray.kill(w.actor, no_restart=False)  # Ray restarts it; it redoes its chunk
+    def _kill_stalled(self) -> None:
+        """Kill every actor that has a chunk outstanding and has not answered for
+        ``stall_timeout_s``: Ray restarts it, the request fails, the chunk is redone."""
+        now = time.monotonic()
+        for w in self._ranks:
+            # Not while the actor starts or restarts (reset, ping): that takes seconds.
+            working = w.pending and w.pending[0][0] in ("step", "run", "restore")
+            if w.actor is not None and working and now - w.progress_at > self.stall_timeout_s:
+                w.progress_at = now  # once per timeout
+                ray.kill(w.actor, no_restart=False)
+
+    def _check_complete(self) -> None:
+        """Nothing lost: every half of the steps just collected reached the collector."""
+        end = self.step_id + self.num_steps
+        ours = {(w.rank, self.stage_id) for w in self._ranks}
+        lost = [
+            (k, half)
+            for k, half, _ in self.collector.missing()
+            if k[0] < end and (k[2], k[3]) in ours
+        ]
+        if lost:
+            key, half = lost[0]
+            cause = CollectorError(key, ErrorCode.SOURCE_TIMEOUT, f"{len(lost)} halves lost")
+            raise RunnerError(f"env_worker_{key[2]}", key, cause, self.delivered)
 
     def _drain(self) -> None:
         """After a failure: insert the results that already came back, in order."""
