@@ -342,7 +342,7 @@ class RayRunner:
                     ray.kill(w.actor, no_restart=True)
                 except Exception:  # already gone
                     pass
-            w.actor, w.started, w.pending = None, False, deque()
+            w.actor, w.started, w.pending, w.ping_at = None, False, deque(), None
             w.obs, w.snapshot, w.prev, w.replay = None, None, None, []
 
     def __enter__(self) -> RayRunner:
