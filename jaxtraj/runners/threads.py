@@ -23,6 +23,11 @@ the workers the same way and is re-raised.
 Randomness is derived from the chunk's key (:func:`key_rng`), never from arrival
 order, so :class:`AsyncRunner` produces the same trajectories as a synchronous loop over
 the same environments, policy and keys.
+
+What does not depend on the transport (the environment protocol, chunk keys, key-derived
+randomness, env halves, version stamping, the consumer) lives in
+:mod:`jaxtraj.runners.service` and is shared with the Ray runner
+(:mod:`jaxtraj.runners.ray`): one contract, two transports.
 """
 
 from __future__ import annotations
