@@ -41,6 +41,8 @@ class VideoSettings:
         preset: Speed/quality preset; None is 12 for libsvtav1 and libx264's own default.
         pix_fmt: The stream's pixel format.
         fast_decode: SVT-AV1 fast-decode tuning (0 disables it), h264 ``tune=fastdecode``.
+        threads: Threads of one encoder (SVT-AV1 ``lp``, libx264 ``threads``); None lets the
+            codec decide (LeRobot's ``encoder_threads``). Not recorded in ``info``.
     """
 
     codec: str = "libsvtav1"
@@ -49,6 +51,7 @@ class VideoSettings:
     preset: int | str | None = None
     pix_fmt: str = "yuv420p"
     fast_decode: int = 0
+    threads: int | None = None
 
     def __post_init__(self):
         if self.codec not in CODECS:
@@ -59,6 +62,12 @@ class VideoSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"video {name} must be an int >= 0, got {value!r}")
+        if self.threads is not None and (
+            isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1
+        ):
+            raise ValueError(
+                f"encoder threads must be a positive int or None, got {self.threads!r}"
+            )
         if self.g < 1:
             raise ValueError(f"video g must be >= 1, got {self.g!r}")
         if self.preset is None and self.codec == "libsvtav1":
@@ -70,9 +79,13 @@ class VideoSettings:
         if self.preset is not None:
             opts["preset"] = str(self.preset)
         if self.codec == "libsvtav1":
-            opts["svtav1-params"] = f"fast-decode={max(0, min(2, self.fast_decode))}"
-        elif self.fast_decode:
-            opts["tune"] = "fastdecode"
+            params = f"fast-decode={max(0, min(2, self.fast_decode))}"
+            opts["svtav1-params"] = params + (f":lp={self.threads}" if self.threads else "")
+        else:
+            if self.fast_decode:
+                opts["tune"] = "fastdecode"
+            if self.threads:
+                opts["threads"] = str(self.threads)
         return opts
 
     def info(self, shape: Sequence[int], fps: int) -> dict[str, Any]:

@@ -32,12 +32,13 @@ GIL), queues the call for a committer thread and returns the episode indices it 
 committer commits calls in order, each as above once its encodes are done; a call's video
 files (one or more per camera, :mod:`jaxtraj.lerobot.video`) are encoded under hidden
 temporary names and renamed into place with its data files, before the metadata that refers
-to them, so no committed metadata ever names a partly written mp4. Memory is bounded: while
-the frames of uncommitted calls pass ``max_pending_mb``, ``add_episodes`` blocks; nothing is
-dropped. ``wait()`` returns once everything accepted is committed; ``close()`` waits and stops
-the threads. An encoder or write error stops the writer: that call and the later ones are not
-committed (the folder stays as the last commit left it), and ``add_episodes``, ``wait`` and
-``close`` raise ``LeRobotWriteError`` naming the episodes (and the episode being encoded).
+to them, so no committed metadata ever names a partly written mp4.
+Memory is bounded: while the frames of uncommitted calls pass ``max_pending_mb``,
+``add_episodes`` blocks; nothing is dropped. ``wait()`` returns once everything accepted is
+committed; ``close()`` waits and stops the threads. An encoder or write error stops the
+writer: that call and the later ones are not committed (the folder stays as the last commit
+left it), and ``add_episodes``, ``wait`` and ``close`` raise ``LeRobotWriteError`` naming the
+episodes (and the episode being encoded).
 
 Example::
 
@@ -148,6 +149,8 @@ class LeRobotWriter:
         gop: Keyframe interval in frames, LeRobot's default 2.
         preset: Encoder preset; None is SVT-AV1's 12 (LeRobot's) or libx264's default.
         encoder_workers: Encoder threads; default the number of CPUs, at most 8.
+        encoder_threads: Threads of each encoder (SVT-AV1 ``lp``, libx264 ``threads``); None
+            lets the codec decide, as LeRobot does. 1 leaves the most CPU to collection.
         max_pending_mb: Camera frames (MiB, raw) accepted but not yet committed before
             ``add_episodes`` blocks; default 512. A larger single call is still accepted alone.
 
@@ -178,6 +181,7 @@ class LeRobotWriter:
         gop: int = 2,
         preset: int | str | None = None,
         encoder_workers: int | None = None,
+        encoder_threads: int | None = None,
         max_pending_mb: float = 512,
     ):
         if not isinstance(fps, int | np.integer) or isinstance(fps, bool) or fps <= 0:
@@ -204,7 +208,9 @@ class LeRobotWriter:
             raise ValueError(f"encoder_workers must be a positive int, got {encoder_workers!r}")
         if isinstance(max_pending_mb, bool) or not isinstance(max_pending_mb, int | float):
             raise ValueError(f"max_pending_mb must be a number, got {max_pending_mb!r}")
-        self._video = video.VideoSettings(codec=video_codec, crf=crf, g=gop, preset=preset)
+        self._video = video.VideoSettings(
+            codec=video_codec, crf=crf, g=gop, preset=preset, threads=encoder_threads
+        )
         self._user_features = check_features(features)
         for name in video_keys(self._user_features):
             spec = self._user_features[name]
@@ -274,7 +280,7 @@ class LeRobotWriter:
 
         Args:
             root: A dataset folder this writer (or LeRobot, for numeric features) created.
-            options: ``encoder_workers`` and ``max_pending_mb``.
+            options: ``encoder_workers``, ``encoder_threads`` and ``max_pending_mb``.
 
         Returns:
             A writer whose next episode is ``total_episodes`` and next frame ``total_frames``.
