@@ -1,6 +1,6 @@
 """LeRobotWriter with cameras: video and image features, read back with pyarrow and PyAV alone.
 
-Frames are small (32x32 video, 16x16 image) smooth synthetic images, so every test encodes in
+Frames are small (32x32 and 32x48 video, 16x16 image) smooth synthetic images, so every test encodes in
 milliseconds. A decoded video frame must match its original within ``PSNR_DB`` (SVT-AV1 and
 libx264 at crf 30 give about 38 dB on these); image features are lossless PNG and match
 exactly. Crashes are simulated at every file commit and for real with SIGKILL. The last test
@@ -37,7 +37,7 @@ TOP, WRIST, SIDE = "observation.images.top", "observation.images.wrist", "observ
 FEATURES = {
     "observation.state": {"dtype": "float32", "shape": [3], "names": None},
     TOP: {"dtype": "video", "shape": [32, 32, 3], "names": None},
-    WRIST: {"dtype": "video", "shape": [16, 24, 3], "names": None},
+    WRIST: {"dtype": "video", "shape": [32, 48, 3], "names": None},
     SIDE: {"dtype": "image", "shape": [16, 16, 3], "names": None},
 }
 VIDEO_INFO_KEYS = {
@@ -70,7 +70,7 @@ def make_episode(seed: int, length: int) -> dict[str, np.ndarray]:
     return {
         "observation.state": rng.normal(size=(length, 3)).astype(np.float32),
         TOP: camera(seed, length, 32, 32),
-        WRIST: camera(seed + 1000, length, 16, 24),
+        WRIST: camera(seed + 1000, length, 32, 48),
         SIDE: camera(seed + 2000, length, 16, 16),
     }
 
@@ -232,6 +232,7 @@ def test_h264_and_resume_keeps_the_settings(tmp_path):
     [
         ({"dtype": "video", "shape": [3, 32, 32]}, r"needs shape \[H, W, 3\]"),
         ({"dtype": "video", "shape": [15, 32, 3]}, "even height and width"),
+        ({"dtype": "video", "shape": [32, 16, 3]}, "at least 32"),
         ({"dtype": "image", "shape": [16, 16, 4]}, r"needs shape \[H, W, 3\]"),
     ],
 )
@@ -249,7 +250,7 @@ def test_bad_camera_frames_are_refused_before_anything_is_queued(tmp_path):
             writer.add_episodes(episodes, tasks)
         episodes, tasks = batch(0, [5])
         episodes[0][WRIST] = episodes[0][WRIST][:4]
-        with pytest.raises(ValueError, match=r"expected uint8 \[5, 16, 24, 3\]"):
+        with pytest.raises(ValueError, match=r"expected uint8 \[5, 32, 48, 3\]"):
             writer.add_episodes(episodes, tasks)
         assert writer.num_episodes == 0
 
@@ -478,7 +479,7 @@ def collector_run(root: Path, steps: int = 3):
             return part
         tag = int(part.source.key.epoch_id) * T + int(part.source.key.chunk_id) + 100 * step
         obs = {"state": part.obs["state"]}
-        for key, shape in (("top", (32, 32)), ("wrist", (16, 24)), ("side", (16, 16))):
+        for key, shape in (("top", (32, 32)), ("wrist", (32, 48)), ("side", (16, 16))):
             obs[key] = np.stack([camera(tag + 7 * b + len(key), 1, *shape)[0] for b in range(B)])
         return part.replace(obs=obs)
 
@@ -504,7 +505,7 @@ def test_collector_writes_camera_episodes_across_steps(tmp_path):
     writer, written = collector_run(root)
     info = json.loads((root / "meta/info.json").read_text())
     assert {k: info["features"][k]["dtype"] for k in CAMERA_KINDS} == CAMERA_KINDS
-    assert info["features"][WRIST]["shape"] == [16, 24, 3]
+    assert info["features"][WRIST]["shape"] == [32, 48, 3]
     assert info["total_episodes"] == len(written) > 0
     for frames in written:
         assert frames[TOP].shape == (len(frames["action"]), 32, 32, 3)

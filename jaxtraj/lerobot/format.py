@@ -245,10 +245,12 @@ def _check_camera(name: str, spec: Mapping[str, Any]) -> dict[str, Any]:
             f"feature {name!r}: dtype {dtype!r} needs shape [H, W, 3] (uint8 RGB, channels"
             f" last), got {shape!r}"
         )
-    if dtype == "video" and (shape[0] % 2 or shape[1] % 2 or min(shape[:2]) < 8):
+    # yuv420p needs even sides; SVT-AV1 builds older than PyAV 18's (PyAV 15's, which LeRobot
+    # installs) crash (SIGFPE) on frames narrower than 32.
+    if dtype == "video" and (shape[0] % 2 or shape[1] % 2 or min(shape[:2]) < 32):
         raise ValueError(
-            f"feature {name!r}: dtype 'video' needs an even height and width of at least 8"
-            f" (yuv420p), got {list(shape)}; store it as dtype 'image'"
+            f"feature {name!r}: dtype 'video' needs an even height and width of at least 32"
+            f" (yuv420p, SVT-AV1), got {list(shape)}; store it as dtype 'image'"
         )
     return {"dtype": dtype, "shape": [int(d) for d in shape], "names": list(CAMERA_NAMES)}
 

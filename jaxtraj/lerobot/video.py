@@ -15,6 +15,7 @@ never split across files.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
@@ -159,6 +160,18 @@ def encode(
     # SVT-AV1 prints its configuration to stderr for every stream; errors only, unless the
     # user chose a level.
     os.environ.setdefault("SVT_LOG", "1")
+    with _ONE_ENCODER:
+        return _encode(av, part_path, episodes, fps, settings, max_bytes, first_episode)
+
+
+# Encoders run one at a time in a process: in stress runs with two SVT-AV1 encoders at once
+# (PyAV 18.1, 224x224) an encode intermittently hung or had a packet refused by the muxer
+# (EINVAL). One SVT-AV1 stream already spreads over the cores; the pool still overlaps
+# encoding with PNGs, parquet and statistics, and with collection.
+_ONE_ENCODER = threading.Lock()
+
+
+def _encode(av, part_path, episodes, fps, settings, max_bytes, first_episode):
     paths: list[Path] = []
     placed: list[Placed] = []
     container = stream = None

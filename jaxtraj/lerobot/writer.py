@@ -28,11 +28,11 @@ files are written (both release the GIL); the thread ends within the call.
 Cameras. A dataset with camera features (``"video"`` or ``"image"``, shape ``[H, W, 3]``) is
 written in the background, off the caller's path: ``add_episodes`` checks and copies the
 episodes, hands each camera's frames to a pool of encoder threads (PyAV and zlib release the
-GIL), queues the call for a committer thread and returns the episode indices it assigned. The
-committer commits calls in order, each as above once its encodes are done; a call's video
-files (one or more per camera, :mod:`jaxtraj.lerobot.video`) are encoded under hidden
-temporary names and renamed into place with its data files, before the metadata that refers
-to them, so no committed metadata ever names a partly written mp4.
+GIL; video encodes run one at a time, see :mod:`jaxtraj.lerobot.video`), queues the call for
+a committer thread and returns the episode indices it assigned. The committer commits calls
+in order, each as above once its encodes are done; a call's video files (one or more per
+camera) are encoded under hidden temporary names and renamed into place with its data files,
+before the metadata that refers to them, so no committed metadata ever names a partly written mp4.
 Memory is bounded: while the frames of uncommitted calls pass ``max_pending_mb``,
 ``add_episodes`` blocks; nothing is dropped. ``wait()`` returns once everything accepted is
 committed; ``close()`` waits and stops the threads. An encoder or write error stops the
