@@ -56,10 +56,6 @@ class py:
     def logical_not(x: Any) -> bool:
         return not x
 
-    @staticmethod
-    def logical_or(a: Any, b: Any) -> Any:
-        return np.logical_or(a, b)
-
 
 # -- structure (static) ------------------------------------------------------------------
 
@@ -376,14 +372,13 @@ class HostChecks:
                 view = jax.tree.map(
                     lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], np.asarray(x).dtype), part
                 )
+            probe = jax.tree.unflatten(treedef, range(len(leaves)))  # leaves: their indices
             if isinstance(part, PolicyPart):
                 layout, cut = policy_structure(self.layout, view, key), ()
             else:
                 layout = env_structure(self.layout, view, key)
-                probe = jax.tree.unflatten(treedef, range(len(leaves)))
                 flags = probe.transition.cut_flags(self.plan.truncation_bootstrap, _Pair)
                 cut = tuple(jax.tree.leaves(flags))
-            probe = jax.tree.unflatten(treedef, range(len(leaves)))
             found = Signature(layout, tuple(finite_leaves(probe)), cut)
             self._seen[sig] = found
         return found

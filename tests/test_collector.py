@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import pytest
 from helpers import PLAN, all_parts, assert_same, env_part, policy_part, reference, snapshot
 
@@ -68,3 +69,13 @@ def test_zero_row_fragment_is_a_no_op():
     out = [t for p in parts[4:] for _, t in c.add(p)]
     assert len(out) == 1
     assert_same(out[0], reference(0))
+
+
+def test_layout_is_shapes_only():
+    """Defect 6: runners read the buffers' layout without a host copy of the state, and
+    the facade keeps no device copy of a source's buffers to read shapes."""
+    c = jaxtraj.TrajectoryCollector(dataclasses.replace(PLAN, mode="pipeline"), policy_part(0),
+                                    env_part(0))
+    leaves = jax.tree.leaves(c.layout)
+    assert leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+    assert c.layout.policy.obs["image"].shape[-3:] == policy_part(0).obs["image"].shape[1:]

@@ -118,7 +118,6 @@ class Rollout(PerSource):
     """Rollout mode in the common form of :mod:`jaxtraj.modes`; scopes are source indices."""
 
     plan: TrajectoryPlan
-    queue_key: str | None = None
 
     # -- pure ---------------------------------------------------------------------------
 
@@ -163,7 +162,7 @@ class Rollout(PerSource):
         return traj, state, mode_state
 
     def emit(self, items: Trajectory, scope: int, mirror) -> list[tuple[str, Any]]:
-        return [(self.queue_key or self.plan.queue_key, items)]
+        return [(self.plan.queue_key, items)]
 
     def advance(self, scope: int, mirror) -> list[int]:
         mirror.clear_source(scope)
