@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -148,3 +149,55 @@ def test_stale_samples_are_masked():
         assert len(tag) == S * (T - 1) * B
         a = np.concatenate([np.asarray(mb.advantages)[np.asarray(mb.loss_mask)] for mb in items])
         np.testing.assert_allclose([a.mean(), a.std()], [0.0, 1.0], atol=1e-4)  # over valid rows
+
+
+def _epoch_state():
+    """A stacked state with every part of step 0 collected, and pipeline mode's state."""
+    c = jaxtraj.TrajectoryCollector(PIPE, policy_part(0), env_part(0), auto_flush=False)
+    c.add_many(all_parts(0) + all_parts(1))
+    return jax.device_put(c.states[0]), jaxtraj.pipeline.init(PIPE, jax.random.PRNGKey(3))
+
+
+def test_recycled_flush_equals_fresh_and_reuses_the_buffers():
+    state, pipe = _epoch_state()
+    flush = jaxtraj.pipeline.make_flush(PIPE, donate=False)
+    fresh, _, _ = flush(state, pipe, 1)
+    MB, M = jaxtraj.pipeline.packing(PIPE, S * T * B)
+    assert PIPE.actor_ranks * MB * M > S * T * B  # the packing has padding places
+    padding = ~np.asarray(fresh.loss_mask)
+    assert padding.any() and not np.asarray(fresh.actions)[padding].any()  # zeros
+    # Recycle micro-batches of another epoch, holding other samples.
+    old, _, _ = flush(state, pipe, 0)
+    pointers = [x.unsafe_buffer_pointer() for x in jax.tree.leaves((old.obs, old.actions))]
+    donated = jax.jit(
+        lambda st, m, e, r: jaxtraj.pipeline.flush(PIPE, st, m, e, 0, r), donate_argnums=3
+    )
+    again, _, _ = donated(state, pipe, 1, old)
+    chex.assert_trees_all_equal(fresh, again)
+    assert [x.unsafe_buffer_pointer() for x in jax.tree.leaves((again.obs, again.actions))] == (
+        pointers
+    )  # written in place: no fresh allocation
+    with pytest.raises(ValueError, match="recycle"):
+        jaxtraj.pipeline.flush(PIPE, state, pipe, 1, 0, old.replace(extras={"x": old.actions}))
+
+
+def test_row_packing_and_gather_packing_agree():
+    """The CPU packer (a loop of row copies into recycled buffers) and the packer other
+    backends use (one gather per leaf) produce the same micro-batches, padding included."""
+    from jaxtraj.modes.pipeline import _pack_gather, _pack_rows
+
+    rng = np.random.default_rng(0)
+    N, R, MB, M = 23, 2, 3, 4  # 24 places, 1 of them padding
+    place = lambda i: (i % R) * (MB * M) + i // R
+    leaves = [rng.integers(0, 255, (40, 3, 2), np.uint8), rng.standard_normal((40,), np.float32)]
+    rows = rng.choice(40, N, replace=False)
+    order = rng.permutation(N)
+    bases = [np.full((R * MB * M,) + x.shape[1:], 7, x.dtype) for x in leaves]  # stale data
+    dev = jax.device_put
+    by_rows = _pack_rows(N, place, dev(leaves), dev(bases), dev(rows), dev(order))
+    by_gather = _pack_gather(N, place, dev(leaves), R * MB * M, dev(rows), dev(order))
+    for a, b, x in zip(by_rows, by_gather, leaves):
+        np.testing.assert_array_equal(a, b)
+        i = np.arange(N)
+        np.testing.assert_array_equal(np.asarray(a)[place(i)], x[rows[order]])
+        assert not np.asarray(a)[place(N)].any()  # the padding place reads zeros

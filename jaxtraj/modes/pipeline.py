@@ -113,6 +113,7 @@ def flush(
     mode_state: PipelineState,
     epoch: Any,
     current_version: Any = 0,
+    recycle: MicroBatches | None = None,
 ) -> tuple[MicroBatches, CollectorState, PipelineState]:
     """Flush one epoch of every source as micro-batches per Actor rank.
 
@@ -123,6 +124,9 @@ def flush(
       epoch: the epoch to flush (int or traced int32).
       current_version: the policy version now training; with ``plan.max_staleness``
         set, older samples get a false ``loss_mask``.
+      recycle: micro-batches of an earlier flush that the caller no longer uses (donate
+        them), or ``None``. Their buffers take the new samples in place: no fresh
+        allocation (on a CPU, no first-touch page faults; on a GPU, no allocator traffic).
 
     Returns:
       ``(micro_batches, state, mode_state)``. An incomplete or already flushed epoch
@@ -134,7 +138,7 @@ def flush(
     ok = ready(state, mode_state)[e]
     rng = jax.random.fold_in(jax.random.fold_in(mode_state.rng, state.step[0]), e)
     # Materialise every epoch without slicing: the per-chunk fields are the buffers
-    # themselves, so the only copy of the big fields is the final gather.
+    # themselves, so the only copy of the big fields is the final scatter.
     trajs = jax.vmap(lambda st: materialize(plan, st))(state)  # [S, E, T(+1), B, ...]
     targets = jax.vmap(lambda tr: trajectory_targets(plan, tr, current_version))(trajs)
 
@@ -170,24 +174,37 @@ def flush(
     total = R * MB * M
     order = jax.random.permutation(rng, N)
     order = order[jnp.argsort(~valid[order], stable=True)]  # valid samples first
-    # Padding slots point one past the end: the gather clamps them, the mask drops them.
-    slot = jnp.concatenate([order, jnp.full((total - N,), N, order.dtype)])
-    index = rows.at[slot].get(mode="clip")
-
-    def arrange(x):  # [total] -> [R, MB, M]; sample i goes to rank i % R
-        return jnp.moveaxis(x.reshape((MB, M, R)), 2, 0)
-
-    # The indices are arranged, not the data: each field is gathered once, straight
-    # into its packed [R, MB, M, ...] place (one read and one write per output byte).
-    index, slot = arrange(index), arrange(slot)
-    gather = lambda x: flat(x).at[index].get(mode="clip")
-    local = lambda x: x.at[slot].get(mode="clip")  # epoch-local [N] arrays
-    mask = jnp.concatenate([valid, jnp.zeros((1,), bool)])
+    # Position i of the shuffled order goes to rank i % R, place i // R within it; the
+    # padding positions N .. total-1 read zeros and a false loss_mask.
+    place = lambda i: (i % R) * (MB * M) + i // R
+    flat_samples = jax.tree.map(flat, samples)
+    leaves, tree = jax.tree.flatten(flat_samples)
+    if recycle is None:  # fresh outputs: a gather creates them in one pass
+        packed = _pack_gather(N, place, leaves, total, rows, order)
+    else:  # the recycled batches' buffers take this epoch's samples, in place
+        base = {name: getattr(recycle, name) for name in samples}
+        if jax.tree.structure(base) != tree:
+            raise ValueError(
+                f"recycle: not micro-batches of this plan: {jax.tree.structure(base)} "
+                f"against {tree}"
+            )
+        bases = [b.reshape((total,) + x.shape[1:]) for b, x in zip(jax.tree.leaves(base), leaves)]
+        packed = jax.lax.platform_dependent(
+            leaves, bases, rows, order,
+            cpu=functools.partial(_pack_rows, N, place),
+            default=lambda leaves, bases, rows, order: _pack_gather(
+                N, place, leaves, total, rows, order
+            ),
+        )
+    packed = [x.reshape((R, MB, M) + x.shape[1:]) for x in packed]
+    fields = jax.tree.unflatten(tree, packed)
+    small = _pack_gather(N, place, [advantages, valid], total, jnp.arange(N), order)
+    advantages, loss_mask = (x.reshape(R, MB, M) for x in small)
     per_rank = lambda v: jnp.full((R,), v, jnp.int32)
     batches = MicroBatches(
-        **jax.tree.map(gather, samples),
-        advantages=local(advantages),
-        loss_mask=local(mask),  # index N: the padding entry
+        **fields,
+        advantages=advantages,
+        loss_mask=loss_mask,
         step_id=per_rank(state.step[0]),
         epoch_id=per_rank(e),
     )
@@ -210,6 +227,42 @@ def flush(
     return batches, new, mode_state.replace(flushed=keep(flushed))
 
 
+def _pack_rows(N, place, leaves, bases, rows, order):
+    """Pack into recycled buffers on a CPU: per leaf, one loop over the samples copies
+    row ``rows[n]`` to its packed place, in the order the buffers hold them (a
+    sequential read, one write per output byte, in place into the donated ``bases``).
+    Measured on XLA's CPU backend: its row gather runs at about a quarter of memory
+    speed, and its scatter first copies the updates when they are a reshaped buffer."""
+    dest = jnp.zeros((N,), jnp.int32).at[order].set(place(jnp.arange(N, dtype=jnp.int32)))
+    total = bases[0].shape[0] if bases else 0
+    pad = place(np.arange(N, total))
+
+    def copy_rows(x, out):  # one loop per leaf: measured faster than one loop for all
+        def body(n, out):
+            row = jax.lax.dynamic_index_in_dim(x, rows[n], 0)
+            return jax.lax.dynamic_update_index_in_dim(out, row, dest[n], 0)
+
+        return jax.lax.fori_loop(0, N, body, out)
+
+    outs = [copy_rows(x, b) for x, b in zip(leaves, bases)]
+    if len(pad):
+        outs = [o.at[pad].set(jnp.zeros((), o.dtype), unique_indices=True) for o in outs]
+    return list(outs)
+
+
+def _pack_gather(N, place, leaves, total, rows, order):
+    """Pack with one gather per leaf, straight into its packed place (on a GPU or TPU
+    always; on a CPU for fresh outputs, where the gather's first-touch page faults cost
+    more than its random reads)."""
+    i = jnp.arange(total)
+    # Packed place p holds shuffled position i with place(i) = p: invert place().
+    pos = jnp.zeros((total,), jnp.int32).at[place(i)].set(i.astype(jnp.int32))
+    src = rows[order[jnp.minimum(pos, N - 1)]]
+    # Padding reads one past the end: the gather fills it with zeros.
+    return [x.at[jnp.where(pos < N, src, x.shape[0])].get(mode="fill", fill_value=0)
+            for x in leaves]
+
+
 def make_flush(
     plan: TrajectoryPlan,
     mesh: Mesh | None = None,
@@ -219,9 +272,10 @@ def make_flush(
     donate: bool = True,
 ):
     """The jitted pipeline flush
-    ``(state, mode_state, epoch, current_version=0) -> (batches, state, mode_state)``.
+    ``(state, mode_state, epoch, current_version=0, recycle=None) -> (batches, state,
+    mode_state)``.
 
-    Without a mesh: ``jax.jit`` with the state donated. With one: the state's sources
+    Without a mesh: ``jax.jit`` with the state (and ``recycle``) donated. With one: the state's sources
     are sharded over ``source_axis`` (place it with :func:`shard_state`) and every
     micro-batch leaf comes out sharded over ``actor_axis`` on its leading rank axis.
 
@@ -231,7 +285,7 @@ def make_flush(
     """
     fn = functools.partial(flush, plan)
     if mesh is None:
-        return jax.jit(fn, donate_argnums=0 if donate else ())
+        return jax.jit(fn, donate_argnums=(0, 4) if donate else ())
     for name, axis in (("source_axis", source_axis), ("actor_axis", actor_axis)):
         if axis not in mesh.axis_names:
             raise ValueError(f"{name}={axis!r} is not an axis of the mesh {dict(mesh.shape)}")
@@ -242,7 +296,7 @@ def make_flush(
         )
     state_sharding = NamedSharding(mesh, P(source_axis))
     out = (NamedSharding(mesh, P(actor_axis)), state_sharding, NamedSharding(mesh, P()))
-    return jax.jit(fn, donate_argnums=0 if donate else (), out_shardings=out)
+    return jax.jit(fn, donate_argnums=(0, 4) if donate else (), out_shardings=out)
 
 
 def shard_state(state: CollectorState, mesh: Mesh, source_axis: str = "sources") -> CollectorState:
