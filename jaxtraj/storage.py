@@ -91,6 +91,11 @@ def storage_for(kind, plan, policy_example, env_example, mode, sources, step_id)
 
 _SMALL_PART_BYTES = 64 << 10
 
+#: Handed-out staging buffers a host storage keeps per state to reuse once their
+#: trajectories are dropped: beyond the step being collected, at most this many steps'
+#: buffers stay allocated.
+SPARES = 2
+
 
 def small_part(part: Any) -> bool:
     """Whether a part is small enough that stacking a batch of them (a second copy of a
@@ -141,7 +146,7 @@ class HostStorage:
         self._states: list[CollectorState] = [None] * len(layouts)
         self._flat: list[list[np.ndarray]] = [None] * len(layouts)
         self._given: list[tuple] = [None] * len(layouts)
-        self._spares: list[CollectorState | None] = [None] * len(layouts)
+        self._spares: list[list[CollectorState]] = [[] for _ in layouts]
         for i, lay in enumerate(layouts):
             self._set(i, self._fresh(lay))
 
@@ -260,16 +265,23 @@ class HostStorage:
         pass  # coverage is the mirror's; the buffers are renewed when the step ends
 
     def renew(self, i: int) -> None:
-        """Staging for state ``i``'s next step: the buffers just handed out are kept as
-        the spare, and the previous spare is reused if nothing references it any more."""
-        spare, self._spares[i] = self._spares[i], self._states[i]
-        if spare is not None and all(_unshared(x) for x in _data(spare)):
-            zero = lambda x: None if x is None else np.zeros_like(x)
-            self._set(i, spare.replace(
-                next_obs_given=zero(spare.next_obs_given), next_rlt_given=zero(spare.next_rlt_given)
-            ))
-        else:
+        """Staging for state ``i``'s next step: the buffers just handed out join the
+        spares (at most :data:`SPARES`, the oldest dropped), and a spare that nothing
+        references any more (its trajectory was dropped) is reused: warm memory, no
+        allocation. A caller that holds the latest trajectory while the next step is
+        collected still gets recycled buffers."""
+        pool = self._spares[i]
+        free = [n for n, sp in enumerate(pool) if all(_unshared(x) for x in _data(sp))]
+        reuse = pool.pop(free[0]) if free else None
+        pool.append(self._states[i])
+        del pool[:-SPARES]
+        if reuse is None:
             self._set(i, self._fresh(self._layouts[i]))
+            return
+        zero = lambda x: None if x is None else np.zeros_like(x)
+        self._set(i, reuse.replace(
+            next_obs_given=zero(reuse.next_obs_given), next_rlt_given=zero(reuse.next_rlt_given)
+        ))
 
     def load(self, i: int, state: CollectorState) -> None:
         """Replace state ``i``'s staging with ``state``'s data (a checkpoint). Host arrays

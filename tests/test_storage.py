@@ -10,7 +10,7 @@ import pytest
 from helpers import PLAN, all_parts, assert_same, env_part, policy_part, reference
 
 import jaxtraj
-from jaxtraj import CollectorError, ErrorCode
+from jaxtraj import CollectorError, ErrorCode, storage
 from jaxtraj.storage import aligned_zeros
 
 pointer = lambda x: np.asarray(x).ctypes.data  # zero-copy view of a CPU array
@@ -121,3 +121,21 @@ def test_staging_is_reused_only_once_nothing_holds_it():
     assert staged[0] not in staged[1:]
     assert staged[3] == staged[1]
     assert_same(held, kept)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="zero-copy adoption is the CPU client's")
+def test_staging_is_recycled_while_the_caller_holds_the_latest_trajectory():
+    """An Actor that trains on step k's trajectory while step k + 1 is collected (it
+    drops step k's only when step k + 1's arrives) still gets recycled staging, and
+    the trajectory it holds is never written."""
+    c = jaxtraj.TrajectoryCollector(PLAN, policy_part(0), env_part(0), storage="host")
+    staged, held, kept = [], None, None
+    for k in range(6):
+        staged.append(pointer(c.states[0].policy.obs["image"]))
+        (traj,) = [t for p in all_parts(0, step=k) for _, t in c.add(p)]
+        if held is not None:
+            assert_same(held, kept)  # not written while held
+        held, kept = traj, jax.tree.map(np.array, traj)
+        assert_same(held, reference(0, step=k))
+    assert len(set(staged)) <= 1 + storage.SPARES  # no fresh buffers after the first steps
+    assert staged[3] == staged[0] and staged[5] == staged[2]
