@@ -424,10 +424,14 @@ class HostChecks:
             raise CollectorError(key, code)
         return s, e, t, off, layout, leaves, treedef
 
-    def many(self, parts: list, rows: dict, step: np.ndarray) -> list[tuple]:
+    def many(
+        self, parts: list, rows: dict, step: np.ndarray, places: list | None = None
+    ) -> list[tuple]:
         """Check parts one after another against ``rows`` (the mirror's coverage per half,
         a copy: marked as they pass, so rows repeated within the batch are duplicates);
         return what :meth:`one` returns for each.
+
+        ``places``: each part's place in the caller's batch (default its index here).
 
         Raises:
           CollectorError: for the first rejected part, naming its place in the batch.
@@ -437,7 +441,9 @@ class HostChecks:
             try:
                 found = self.one(part, rows.get(type(part)), step)
             except CollectorError as err:
-                raise CollectorError(err.key, err.code, f"part {n} of the batch") from None
+                place = f"part {n if places is None else places[n]} of the batch"
+                detail = f"{err.detail}; {place}" if err.detail else place
+                raise CollectorError(err.key, err.code, detail) from None
             s, e, t, off, layout = found[:5]
             rows[type(part)][s, e, t, off : off + layout.rows] = True
             checked.append(found)

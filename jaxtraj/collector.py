@@ -27,6 +27,8 @@ from jaxtraj.types import EnvPart, PolicyPart, stack_parts
 
 Items = list[tuple[str, Any]]
 
+_STACK_AT_LEAST = 32  # small parts in one add_many call worth stacking (measured)
+
 
 class TrajectoryCollector:
     """Holds the collector's state; accepts either half; flushes complete scopes.
@@ -189,23 +191,29 @@ class TrajectoryCollector:
         parts = list(parts)
         if not parts:
             return []
-        if not self._store.owned or small_part(parts[0]):
-            # Device storage: one jitted insert per group. Small parts: stacking them costs
-            # less than checking each on its own (a second copy of a few KiB).
+        if not self._store.owned:  # device storage: one jitted insert per group
             return self._add_stacked(stack_parts(parts))
+        # Many small parts are stacked (a second copy of a few KiB costs less than checking
+        # each on its own; the stacked checks cost ~0.3 ms a group, so only for many);
+        # large ones are checked and copied one by one (no second copy).
+        small = [small_part(p) for p in parts]
+        if sum(small) < _STACK_AT_LEAST:
+            small = [False] * len(parts)
+        large = [n for n, sm in enumerate(small) if not sm]
+        groups = stack_parts([p for p, sm in zip(parts, small) if sm])
+        return self._add_stacked(groups, [parts[n] for n in large], large)
+
+    def _add_stacked(self, groups: list, large: list = (), places: list | None = None) -> Items:
+        """Check ``groups`` (stacked parts) and ``large`` (parts one by one, at ``places``
+        in the caller's batch) against one copy of the coverage, then insert them all."""
         rows = {k: v.copy() for k, v in self.mirror.rows.items()}
-        checked = self._checks.many(parts, rows, self.mirror.step)
+        checked = self._checks.many(large, rows, self.mirror.step, places) if large else []
+        owners = [self._checks.stack(g, rows[type(g)], self.mirror.step) for g in groups]
         for s, e, t, off, layout, leaves, treedef in checked:
             self._store.insert(*self.mode.slot(s, e, t, off), leaves, treedef, layout)
-        return self._added(rows, [c[0] for c in checked])
-
-    def _add_stacked(self, groups: list) -> Items:
-        rows = {k: v.copy() for k, v in self.mirror.rows.items()}
-        owners = [self._checks.stack(g, rows[type(g)], self.mirror.step) for g in groups]
         for group, s_of in zip(groups, owners):
-            layout = self._checks.structure(group, True)
-            self._store.insert_stack(self.mode, group, s_of, layout)
-        return self._added(rows, np.concatenate(owners).tolist())
+            self._store.insert_stack(self.mode, group, s_of, self._checks.structure(group, True))
+        return self._added(rows, [c[0] for c in checked] + [int(s) for o in owners for s in o])
 
     def _added(self, rows: dict, sources: list) -> Items:
         self.mirror.rows = rows

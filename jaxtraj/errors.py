@@ -83,6 +83,7 @@ class CollectorError(Exception):
     def __init__(self, key: Any, code: ErrorCode | int, detail: str = ""):
         self.key = None if key is None else tuple(int(k) for k in key)
         self.code = ErrorCode(int(code))
+        self.detail = detail
         msg = reason(self.code)
         if self.key is not None:
             names = ("step_id", "epoch_id", "env_rank", "stage_id", "chunk_id")

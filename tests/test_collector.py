@@ -6,8 +6,9 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import numpy as np
 import pytest
-from helpers import PLAN, all_parts, assert_same, env_part, policy_part, reference, snapshot
+from helpers import PLAN, B, all_parts, assert_same, env_part, policy_part, reference, snapshot
 
 import jaxtraj
 
@@ -79,3 +80,23 @@ def test_layout_is_shapes_only():
     leaves = jax.tree.leaves(c.layout)
     assert leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
     assert c.layout.policy.obs["image"].shape[-3:] == policy_part(0).obs["image"].shape[1:]
+
+
+def test_add_many_mixes_stacked_small_parts_and_large_parts(monkeypatch):
+    """``add_many`` stacks many small parts and checks large ones one by one; both in
+    one batch are still all or nothing, and the result is the reference."""
+    from jaxtraj import collector, storage
+
+    policy_bytes = sum(x.nbytes for x in jax.tree.leaves(policy_part(0).replace(source=None)))
+    monkeypatch.setattr(storage, "_SMALL_PART_BYTES", policy_bytes)  # policy halves: large
+    monkeypatch.setattr(collector, "_STACK_AT_LEAST", 1)
+    c = jaxtraj.TrajectoryCollector(PLAN, policy_part(0), env_part(0))
+    parts = all_parts(0)[::-1]
+    before = snapshot(c.state)
+    bad = env_part(1).replace(final_values=np.full((B,), np.nan, np.float32))
+    with pytest.raises(jaxtraj.CollectorError, match="of its group in the batch") as info:
+        c.add_many(parts[:4] + [bad] + parts[4:])
+    assert info.value.code == jaxtraj.ErrorCode.NON_FINITE
+    assert_same(snapshot(c.state), before)  # none of the batch went in
+    (out,) = c.add_many(parts)
+    assert_same(out[1], reference(0))
