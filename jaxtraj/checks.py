@@ -472,15 +472,22 @@ class HostChecks:
         valid = first_error(np, rules) == 0
         e, t = np.where(valid, keys[:, 1], 0), np.where(valid, keys[:, 4], 0)
         o = np.where(valid, off, 0)
-        row_idx = o[:, None] + np.arange(rows)
-        dup = rows_mask[s[:, None], e[:, None], t[:, None], row_idx].any(axis=1)
+        # Flat indices of every row into the (contiguous) coverage mask.
+        S, E, T, B = rows_mask.shape
+        flat = (((s * E + e) * T + t) * B + o)[:, None] + np.arange(rows)
+        mask = rows_mask.reshape(-1)
+        if not np.shares_memory(mask, rows_mask):  # marks must land in the caller's mask
+            raise ValueError("the coverage mask must be C-contiguous")
+        dup = mask[flat].any(axis=1)
         # Rows repeated within the stack: every occurrence after the first is a duplicate.
-        flat = np.ravel_multi_index((s[:, None], e[:, None], t[:, None], row_idx), rows_mask.shape)
-        flat = np.where(valid[:, None], flat, -1 - np.arange(n)[:, None])
-        _, first = np.unique(flat.ravel(), return_index=True)
-        seen_first = np.zeros(flat.size, bool)
-        seen_first[first] = True
-        dup |= ~seen_first.reshape(flat.shape).all(axis=1)
+        # A sort finds whether there are any; only then does np.unique say which.
+        ordered = np.sort(flat[valid], axis=None)
+        if ordered.size > 1 and (ordered[1:] == ordered[:-1]).any():
+            ids = np.where(valid[:, None], flat, -1 - np.arange(n)[:, None])
+            _, first = np.unique(ids.ravel(), return_index=True)
+            seen_first = np.zeros(ids.size, bool)
+            seen_first[first] = True
+            dup |= ~seen_first.reshape(ids.shape).all(axis=1)
         rules.append((dup, ErrorCode.DUPLICATE))
         if isinstance(part, EnvPart):
             rules += env_checks(
@@ -497,7 +504,7 @@ class HostChecks:
         if bad.size:
             i = bad[0]
             raise CollectorError(keys[i], code[i], f"part {i} of its group in the batch")
-        rows_mask[s[:, None], e[:, None], t[:, None], row_idx] = True
+        mask[flat] = True
         return s
 
 

@@ -209,16 +209,20 @@ class TrajectoryCollector:
         rows = {k: v.copy() for k, v in self.mirror.rows.items()}
         checked = self._checks.many(large, rows, self.mirror.step, places) if large else []
         owners = [self._checks.stack(g, rows[type(g)], self.mirror.step) for g in groups]
+        layouts = [self._checks.structure(g, True) for g in groups]
         for s, e, t, off, layout, leaves, treedef in checked:
             self._store.insert(*self.mode.slot(s, e, t, off), leaves, treedef, layout)
-        for group, s_of in zip(groups, owners):
-            self._store.insert_stack(self.mode, group, s_of, self._checks.structure(group, True))
-        return self._added(rows, [c[0] for c in checked] + [int(s) for o in owners for s in o])
-
-    def _added(self, rows: dict, sources: list) -> Items:
-        self.mirror.rows = rows
-        self.mirror.recount()
-        self.mirror.last_seen[sorted(set(sources))] = time.monotonic()
+        for group, s_of, layout in zip(groups, owners, layouts):
+            self._store.insert_stack(self.mode, group, s_of, layout)
+        m = self.mirror  # everything is in: record it
+        m.rows = rows
+        for s, e, _, _, layout, _, _ in checked:
+            m.received[s, e] += layout.rows
+        for group, s_of, layout in zip(groups, owners, layouts):
+            e = np.broadcast_to(np.asarray(group.source.key.epoch_id), s_of.shape)
+            np.add.at(m.received, (s_of, e), layout.rows)
+        sources = {c[0] for c in checked}.union(*(o.tolist() for o in owners))
+        m.last_seen[sorted(sources)] = time.monotonic()
         return self._flush_complete()
 
     # -- scopes and flushes ---------------------------------------------------------------

@@ -141,6 +141,7 @@ class HostStorage:
         self.layouts, self.groups = layouts, groups
         self._layouts, self._groups = layouts, groups
         self._place = place or (lambda st: st)
+        self._batch = layouts[0].policy_rows.shape[-1]
         self._count = len(jax.tree.leaves((layouts[0].policy, layouts[0].env, layouts[0].initial)))
         self._plans: dict[Any, _Plan] = {}
         self._states: list[CollectorState] = [None] * len(layouts)
@@ -176,7 +177,12 @@ class HostStorage:
     def insert_many(self, i: int, at: tuple, leaves: list, treedef: Any, layout: Any) -> None:
         """Copy a stack of checked halves: ``at`` holds index arrays ``[N]`` (prefix, e,
         t, offset)."""
-        rows = tuple(a[:, None] for a in at[:-1]) + (at[-1][:, None] + np.arange(layout.rows),)
+        *lead, e, t, off = at
+        if layout.rows == self._batch and not off.any():  # whole rows: 1-D indices, ~3x faster
+            rows = (*lead, e, t)
+            self._run(i, treedef, leaves, layout, rows, (*lead, e))
+            return
+        rows = tuple(a[:, None] for a in at[:-1]) + (off[:, None] + np.arange(layout.rows),)
         self._run(i, treedef, leaves, layout, rows, rows[:-3] + (rows[-3], rows[-1]))
 
     def _run(self, i, treedef, leaves, layout, rows, initial_rows) -> None:
