@@ -10,12 +10,25 @@ Several episodes go into one file, one after another; a file is closed once its 
 cap (checked between episodes, as LeRobot does; the frames the encoder still holds are counted
 at the mean size of those it has written), and the next episode starts a new file. An episode is
 never split across files.
+
+The writer encodes in a separate process, one job (one call's frames of one camera) at a time,
+under a watchdog (:class:`EncoderProcess`): on this 2-core VM an SVT-AV1 encode occasionally
+never returns, and a native call that never returns can only be ended by ending its process.
+A job that passes its timeout gets its process killed (the encoder's threads die with it), its
+partial files deleted, and is sent again from the frames the parent still holds, to a fresh
+process; a job that fails every attempt raises ``RuntimeError`` naming its episodes.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
+import struct
+import subprocess
+import sys
 import threading
+import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
@@ -137,6 +150,11 @@ def encode(
     settings: VideoSettings,
     max_bytes: float,
     first_episode: int = 0,
+    *,
+    encoder: EncoderProcess | None = None,
+    timeout_s: float | None = None,
+    retries: int = 0,
+    cancelled: Callable[[], bool] | None = None,
 ) -> tuple[list[Path], list[Placed]]:
     """Encode episodes ``[L, H, W, 3]`` uint8 one after another into mp4 files.
 
@@ -148,30 +166,119 @@ def encode(
         settings: The encoder settings.
         max_bytes: A file is closed after the episode that takes it past this size.
         first_episode: The first episode's index, for error messages.
+        encoder: Encode in this supervised process (the writer's way); None encodes in this
+            process, without a watchdog.
+        timeout_s: With ``encoder``: the watchdog of one attempt, in seconds; None is
+            :func:`default_timeout`.
+        retries: With ``encoder``: attempts after the first one that failed (timed out, the
+            process died, or the encoder raised); each starts from the frames again.
+        cancelled: With ``encoder``: checked before each attempt; once true, no more attempts.
 
     Returns:
         The files written, and per episode where its frames are.
 
     Raises:
-        RuntimeError: naming the episode being encoded when the encoder failed.
+        RuntimeError: naming the episode being encoded when the encoder failed (with
+            ``encoder``: the job's episodes, and why each attempt failed); no file is left.
     """
-    import av
-
     # SVT-AV1 prints its configuration to stderr for every stream; errors only, unless the
-    # user chose a level.
+    # user chose a level (the encoder process inherits this).
     os.environ.setdefault("SVT_LOG", "1")
+    if encoder is None:
+        import av
+
+        with _ONE_ENCODER:
+            return _encode(av, part_path, episodes, fps, settings, max_bytes, first_episode)
+    if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+        raise ValueError(f"retries must be an int >= 0, got {retries!r}")
+    for frames in episodes:
+        if not isinstance(frames, np.ndarray) or frames.dtype != np.uint8 or frames.ndim != 4:
+            raise ValueError("episodes must be uint8 arrays [L, H, W, C]")
+    timeout = default_timeout(episodes) if timeout_s is None else float(timeout_s)
+    # An episode is never split, so there are at most as many parts as episodes.
+    paths = [part_path(i) for i in range(len(episodes))]
+    job = {
+        "paths": [str(path) for path in paths],
+        "shapes": [tuple(frames.shape) for frames in episodes],
+        "fps": int(fps),
+        "settings": {
+            name: getattr(settings, name)
+            for name in ("codec", "crf", "g", "preset", "pix_fmt", "fast_decode", "threads")
+        },
+        "max_bytes": float(max_bytes),
+        "first_episode": int(first_episode),
+        "fault": os.environ.get(FAULT_ENV),
+    }
+    failures: list[str] = []
     with _ONE_ENCODER:
-        return _encode(av, part_path, episodes, fps, settings, max_bytes, first_episode)
+        for attempt in range(retries + 1):
+            if cancelled is not None and cancelled():
+                failures.append("no further attempt: cancelled")
+                break
+            try:
+                answer = encoder.run({**job, "attempt": attempt}, episodes, timeout)
+                result = _check_answer(answer, paths, episodes)
+            except EncoderFailed as err:
+                failures.append(f"attempt {attempt + 1}: {err}")
+                # The next attempt gets a fresh process; this one is gone (killed, dead, or
+                # ended here), so nothing writes these files any more.
+                encoder.close()
+                for path in paths:
+                    path.unlink(missing_ok=True)
+                continue
+            return result
+    name = _episodes_name(first_episode, len(episodes))
+    tried = sum(f.startswith("attempt") for f in failures)
+    raise RuntimeError(f"{name}: not encoded, {tried} attempt(s) failed: {'; '.join(failures)}")
+
+
+def default_timeout(episodes: Sequence[np.ndarray]) -> float:
+    """The watchdog of one encode attempt when none is given, in seconds.
+
+    Generous: 10 ms a frame (more for frames over 100,000 pixels, in proportion), at least
+    60 s. The 2-core VM encodes 96x96 frames at about 0.3 ms each and 224x224 at about 0.8 ms.
+    """
+    frames = sum(len(e) for e in episodes)
+    height, width = episodes[0].shape[1:3] if episodes else (0, 0)
+    per_frame = TIMEOUT_PER_FRAME_S * max(1.0, height * width / 100_000)
+    return max(TIMEOUT_FLOOR_S, frames * per_frame)
+
+
+TIMEOUT_FLOOR_S = 60.0
+TIMEOUT_PER_FRAME_S = 0.01
+
+
+def _episodes_name(first: int, count: int) -> str:
+    return f"episode {first}" if count == 1 else f"episodes {first} to {first + count - 1}"
+
+
+def _check_answer(answer, paths: list[Path], episodes: Sequence[np.ndarray]):
+    """The encoder process's answer as ``encode`` returns it; raises ``EncoderFailed``."""
+    if answer[0] == "error":
+        raise EncoderFailed(answer[1])
+    _, written, placed = answer
+    written = [Path(p) for p in written]
+    placed = [Placed(*p) for p in placed]
+    # Only whole answers count: every episode placed, in files this job named, all there.
+    if (
+        [p.length for p in placed] != [len(e) for e in episodes]
+        or written != paths[: len(written)]
+        or any(p.part >= len(written) for p in placed)
+        or not all(path.is_file() for path in written)
+    ):
+        raise EncoderFailed("the encoder process gave an inconsistent answer")
+    return written, placed
 
 
 # Encoders run one at a time in a process: in stress runs with two SVT-AV1 encoders at once
 # (PyAV 18.1, 224x224) an encode intermittently hung or had a packet refused by the muxer
 # (EINVAL). One SVT-AV1 stream already spreads over the cores; the pool still overlaps
-# encoding with PNGs, parquet and statistics, and with collection.
+# encoding with PNGs, parquet and statistics, and with collection. The lock also serialises
+# the jobs of every writer's encoder process.
 _ONE_ENCODER = threading.Lock()
 
 
-def _encode(av, part_path, episodes, fps, settings, max_bytes, first_episode):
+def _encode(av, part_path, episodes, fps, settings, max_bytes, first_episode, on_episode=None):
     paths: list[Path] = []
     placed: list[Placed] = []
     container = stream = None
@@ -200,6 +307,8 @@ def _encode(av, part_path, episodes, fps, settings, max_bytes, first_episode):
                 stream.time_base = Fraction(1, fps)
                 count = written = packets = 0
             placed.append(Placed(len(paths) - 1, count, len(frames)))
+            if on_episode is not None:
+                on_episode(i)
             try:
                 for frame in frames:
                     vf = av.VideoFrame.from_ndarray(frame, format="rgb24")
@@ -245,3 +354,301 @@ def decode(path: Path) -> np.ndarray:
     with av.open(str(path)) as container:
         frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
     return np.stack(frames)
+
+
+# -- the supervised encoder process -----------------------------------------------------------
+
+
+class EncoderFailed(Exception):
+    """One attempt of an encode job failed: timed out, the process died, or the encoder raised."""
+
+
+class EncoderProcess:
+    """A child process that encodes jobs one at a time, watched by a timer in this process.
+
+    The child is a fresh interpreter that runs this file (it imports numpy and PyAV, not jax
+    or jaxtraj), started on the first job and again after a failed attempt. A job goes to its
+    stdin as a pickled header followed by the frames' raw bytes; the answer comes back on its
+    stdout (what the codecs print goes to stderr). The child ends when its stdin closes (this
+    object closed or collected, or this process gone) or when it finds its parent changed.
+
+    ``run`` arms a timer of ``timeout_s`` before sending the job; if no answer has come when
+    it fires, the child is killed with SIGKILL: the blocking write or read returns, and the
+    attempt fails with :class:`EncoderFailed`. A hung native encoder cannot be stopped in any
+    other way. Not thread-safe: ``encode`` calls it under a lock.
+
+    Args:
+        startup_timeout_s: How long a new child may take to import PyAV and say it is ready.
+    """
+
+    def __init__(self, startup_timeout_s: float = 60.0):
+        self._startup_timeout_s = float(startup_timeout_s)
+        self._proc: subprocess.Popen | None = None
+        self._end: weakref.finalize | None = None
+        self.pids: list[int] = []  # every child started, in order (for tests and diagnosis)
+
+    @property
+    def pid(self) -> int | None:
+        """The running child's process id, if one is running."""
+        return None if self._proc is None else self._proc.pid
+
+    def run(self, job: dict[str, Any], episodes: Sequence[np.ndarray], timeout_s: float):
+        """One attempt at ``job``: the child's answer, or ``EncoderFailed``."""
+        if self._proc is not None and self._proc.poll() is not None:
+            self._stop()
+        if self._proc is None:
+            self._start()
+        proc = self._proc
+        with _Watchdog(proc, timeout_s) as dog:
+            try:
+                _send(proc.stdin, job)
+                for frames in episodes:
+                    _write_all(proc.stdin, memoryview(np.ascontiguousarray(frames)).cast("B"))
+                answer = _receive(proc.stdout)
+            except (OSError, EOFError, pickle.UnpicklingError) as err:
+                proc.kill()
+                self._stop()
+                if dog.fired:
+                    raise EncoderFailed(
+                        f"no answer within {timeout_s:g} s: the encoder process was killed"
+                    ) from None
+                raise EncoderFailed(
+                    f"the encoder process died (exit status {proc.returncode})"
+                    if proc.returncode
+                    else f"the encoder process failed: {err!r}"
+                ) from None
+        return answer
+
+    def close(self) -> None:
+        """End the child (it finishes the job it holds, if any); idempotent."""
+        self._stop()
+
+    def _start(self) -> None:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _BOOT, __file__],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            bufsize=0,
+            close_fds=True,
+            # Not in the caller's process group: a Ctrl-C reaches the caller, which ends the
+            # child by closing its stdin, rather than killing an encode mid-file.
+            start_new_session=True,
+        )
+        self._proc = proc
+        self._end = weakref.finalize(self, _end_process, proc)
+        self.pids.append(proc.pid)
+        with _Watchdog(proc, self._startup_timeout_s) as dog:
+            try:
+                answer = _receive(proc.stdout)
+                if answer != ("ready", proc.pid):
+                    raise EOFError(f"unexpected greeting {answer!r}")
+            except (OSError, EOFError, pickle.UnpicklingError) as err:
+                proc.kill()
+                self._stop()
+                why = "did not start in time" if dog.fired else f"failed to start: {err!r}"
+                raise EncoderFailed(f"the encoder process {why}") from None
+
+    def _stop(self) -> None:
+        if self._end is not None:
+            self._end()
+        self._proc = self._end = None
+
+
+# A closed writer's encoder process waits here, idle, for the next writer (a new process costs
+# about 0.2 s of CPU to import numpy and PyAV), and is ended after SPARE_IDLE_S unused.
+SPARE_IDLE_S = 10.0
+_spare_lock = threading.Lock()
+_spare: tuple[EncoderProcess, threading.Timer] | None = None
+
+
+def take_encoder() -> EncoderProcess:
+    """An encoder process for a writer: the one a closed writer left, or a new one."""
+    global _spare
+    with _spare_lock:
+        if _spare is None:
+            return EncoderProcess()
+        (encoder, timer), _spare = _spare, None
+    timer.cancel()
+    return encoder
+
+
+def give_back(encoder: EncoderProcess) -> None:
+    """A closed writer's encoder process: kept for the next writer a while, or ended."""
+    global _spare
+    if encoder.pid is not None:
+        with _spare_lock:
+            if _spare is None:
+                timer = threading.Timer(SPARE_IDLE_S, _end_spare, args=(encoder,))
+                timer.daemon = True
+                _spare = (encoder, timer)
+                timer.start()
+                return
+    encoder.close()
+
+
+def _end_spare(encoder: EncoderProcess) -> None:
+    global _spare
+    with _spare_lock:
+        if _spare is None or _spare[0] is not encoder:
+            return  # taken by a writer meanwhile
+        _spare = None
+    encoder.close()
+
+
+def _end_process(proc: subprocess.Popen) -> None:
+    """Close the child's stdin (it exits), and kill it if it does not within a few seconds."""
+    for pipe in (proc.stdin, proc.stdout):
+        try:
+            pipe.close()
+        except OSError:
+            pass
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+class _Watchdog:
+    """Kills ``proc`` unless the ``with`` block ends within ``timeout_s``."""
+
+    def __init__(self, proc: subprocess.Popen, timeout_s: float):
+        self.fired = False
+        self._proc = proc
+        self._timer = threading.Timer(timeout_s, self._fire)
+        self._timer.daemon = True
+
+    def _fire(self) -> None:
+        self.fired = True
+        self._proc.kill()
+
+    def __enter__(self) -> _Watchdog:
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._timer.cancel()
+
+
+_HEADER = struct.Struct("<Q")
+# Run this file in a fresh interpreter, without the current folder on sys.path (so nothing there
+# shadows numpy or av), as ``__main__``.
+_BOOT = "import runpy, sys; del sys.path[0]; runpy.run_path(sys.argv[1], run_name='__main__')"
+
+
+def _send(pipe, obj: Any) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    _write_all(pipe, memoryview(_HEADER.pack(len(data)) + data))
+
+
+def _receive(pipe) -> Any:
+    (size,) = _HEADER.unpack(_read_exact(pipe, _HEADER.size))
+    return pickle.loads(_read_exact(pipe, size))
+
+
+def _write_all(pipe, data: memoryview) -> None:
+    while data:
+        sent = pipe.write(data)
+        if sent is None:  # pragma: no cover - a blocking pipe never says "would block"
+            continue
+        data = data[sent:]
+
+
+def _read_into(pipe, buffer: memoryview) -> None:
+    while buffer:
+        got = pipe.readinto(buffer)
+        if not got:
+            raise EOFError("the pipe closed")
+        buffer = buffer[got:]
+
+
+def _read_exact(pipe, size: int) -> bytes:
+    data = bytearray(size)
+    _read_into(pipe, memoryview(data))
+    return bytes(data)
+
+
+# -- the child's side ---------------------------------------------------------------------------
+
+# Test hook, read when a job is sent and acted on by the child: "<hang|crash>:<attempts>:<text>"
+# makes the first <attempts> attempts of every job whose first file path contains <text> hang
+# for ever in a native call that holds the GIL (as a stuck encoder would), or abort, when its
+# second episode starts: its first episode is encoded, and its file open (or, past the size
+# cap, closed and the next one open).
+FAULT_ENV = "JAXTRAJ_TEST_ENCODER_FAULT"
+
+
+def _serve() -> None:
+    """The encoder process's loop: a job in, an answer out, until stdin closes."""
+    import av
+
+    inp = sys.stdin.buffer.raw if hasattr(sys.stdin.buffer, "raw") else sys.stdin.buffer
+    out = os.fdopen(os.dup(1), "wb", buffering=0)
+    os.dup2(2, 1)  # whatever a library prints goes to stderr, never into the answers
+    os.environ.setdefault("SVT_LOG", "1")
+    parent = os.getppid()
+    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    _send(out, ("ready", os.getpid()))
+    while True:
+        try:
+            job = _receive(inp)
+            shapes = job["shapes"]
+            sizes = [int(np.prod(shape)) for shape in shapes]
+            frames = np.empty(sum(sizes), dtype=np.uint8)
+            _read_into(inp, memoryview(frames))
+        except EOFError:
+            return
+        offsets = np.cumsum([0, *sizes])
+        episodes = [
+            frames[offsets[i] : offsets[i + 1]].reshape(shape) for i, shape in enumerate(shapes)
+        ]
+        fault = _fault(job)
+        try:
+            paths, placed = _encode(
+                av,
+                lambda part: Path(job["paths"][part]),
+                episodes,
+                job["fps"],
+                VideoSettings(**job["settings"]),
+                job["max_bytes"],
+                job["first_episode"],
+                fault,
+            )
+            answer = ("ok", [str(p) for p in paths], [(p.part, p.start, p.length) for p in placed])
+        except Exception as err:
+            answer = ("error", str(err))
+        _send(out, answer)
+
+
+def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
+
+
+def _fault(job: dict[str, Any]) -> Callable[[int], None] | None:
+    spec = job.get("fault")
+    if not spec:
+        return None
+    kind, attempts, text = spec.split(":", 2)
+    if job["attempt"] >= int(attempts) or text not in job["paths"][0]:
+        return None
+    if kind not in ("hang", "crash"):
+        raise ValueError(f"{FAULT_ENV}: unknown fault {kind!r}")
+
+    def fault(episode: int) -> None:
+        if episode < 1:
+            return
+        if kind == "crash":
+            os.abort()
+        import ctypes
+
+        libc = ctypes.PyDLL(None)  # PyDLL keeps the GIL during the call
+        while True:
+            libc.pause()
+
+    return fault
+
+
+if __name__ == "__main__":
+    _serve()

@@ -28,17 +28,22 @@ files are written (both release the GIL); the thread ends within the call.
 Cameras. A dataset with camera features (``"video"`` or ``"image"``, shape ``[H, W, 3]``) is
 written in the background, off the caller's path: ``add_episodes`` checks and copies the
 episodes, hands each camera's frames to a pool of encoder threads (PyAV and zlib release the
-GIL; video encodes run one at a time, see :mod:`jaxtraj.lerobot.video`), queues the call for
-a committer thread and returns the episode indices it assigned. The committer commits calls
-in order, each as above once its encodes are done; a call's video files (one or more per
+GIL; video encodes run one at a time in a supervised encoder process, see
+:mod:`jaxtraj.lerobot.video`), queues the call for a committer thread and returns the episode
+indices it assigned. The committer commits calls in order, each as above once its encodes are
+done; a call's video files (one or more per
 camera) are encoded under hidden temporary names and renamed into place with its data files,
 before the metadata that refers to them, so no committed metadata ever names a partly written mp4.
 Memory is bounded: while the frames of uncommitted calls pass ``max_pending_mb``,
 ``add_episodes`` blocks; nothing is dropped. ``wait()`` returns once everything accepted is
-committed; ``close()`` waits and stops the threads. An encoder or write error stops the
-writer: that call and the later ones are not committed (the folder stays as the last commit
-left it), and ``add_episodes``, ``wait`` and ``close`` raise ``LeRobotWriteError`` naming the
-episodes (and the episode being encoded).
+committed; ``close()`` waits and stops the threads; the encoder process is ended, or kept
+idle a few seconds for the next writer (:func:`jaxtraj.lerobot.video.give_back`). A video encode
+that gives no answer within ``encode_timeout_s`` has its process killed, its partial files
+deleted, and is sent again to a fresh process, up to ``encode_retries`` times. An encode that
+fails every attempt, or a write error, stops the writer: that call and the later ones are not
+committed (the folder stays as the last commit left it), and ``add_episodes``, ``wait`` and
+``close`` raise ``LeRobotWriteError`` naming the episodes, the camera feature and why each
+attempt failed (for an encoder error, the episode being encoded).
 
 Example::
 
@@ -116,6 +121,8 @@ class _Call:
     tasks: list[str]
     nbytes: int = 0
     encodes: dict[str, Future] = field(default_factory=dict)
+    # The first of its encodes to fail for good: the others need not run, and report it.
+    failure: RuntimeError | None = None
 
     def describe(self) -> str:
         last = self.first_episode + len(self.lengths) - 1
@@ -153,6 +160,13 @@ class LeRobotWriter:
             lets the codec decide, as LeRobot does. 1 leaves the most CPU to collection.
         max_pending_mb: Camera frames (MiB, raw) accepted but not yet committed before
             ``add_episodes`` blocks; default 512. A larger single call is still accepted alone.
+        encode_timeout_s: The watchdog of one attempt at encoding one call's frames of one video
+            camera, in seconds; None (default) scales with the job: 10 ms a frame (in
+            proportion above 100,000 pixels a frame), at least 60 s
+            (:func:`jaxtraj.lerobot.video.default_timeout`). On expiry the encoder process is
+            killed and the attempt fails.
+        encode_retries: Attempts after a failed one (timed out, encoder process died, encoder
+            error), each from the frames again in a fresh process; default 2.
 
     Example::
 
@@ -183,6 +197,8 @@ class LeRobotWriter:
         encoder_workers: int | None = None,
         encoder_threads: int | None = None,
         max_pending_mb: float = 512,
+        encode_timeout_s: float | None = None,
+        encode_retries: int = 2,
     ):
         if not isinstance(fps, int | np.integer) or isinstance(fps, bool) or fps <= 0:
             raise ValueError(f"fps must be a positive int, got {fps!r}")
@@ -208,6 +224,18 @@ class LeRobotWriter:
             raise ValueError(f"encoder_workers must be a positive int, got {encoder_workers!r}")
         if isinstance(max_pending_mb, bool) or not isinstance(max_pending_mb, int | float):
             raise ValueError(f"max_pending_mb must be a number, got {max_pending_mb!r}")
+        if encode_timeout_s is not None and (
+            isinstance(encode_timeout_s, bool)
+            or not isinstance(encode_timeout_s, int | float)
+            or not encode_timeout_s > 0
+        ):
+            raise ValueError(f"encode_timeout_s must be > 0 or None, got {encode_timeout_s!r}")
+        if (
+            isinstance(encode_retries, bool)
+            or not isinstance(encode_retries, int)
+            or encode_retries < 0
+        ):
+            raise ValueError(f"encode_retries must be an int >= 0, got {encode_retries!r}")
         self._video = video.VideoSettings(
             codec=video_codec, crf=crf, g=gop, preset=preset, threads=encoder_threads
         )
@@ -267,6 +295,9 @@ class LeRobotWriter:
         self._workers = encoder_workers or min(8, os.cpu_count() or 1)
         self._max_pending = float(max_pending_mb) * (1 << 20)
         self._pool: ThreadPoolExecutor | None = None
+        self._encoder: video.EncoderProcess | None = None
+        self._encode_timeout = encode_timeout_s
+        self._encode_retries = encode_retries
         self._calls: collections.deque[_Call] = collections.deque()
         self._cond = threading.Condition()
         self._committer: threading.Thread | None = None
@@ -280,7 +311,8 @@ class LeRobotWriter:
 
         Args:
             root: A dataset folder this writer (or LeRobot, for numeric features) created.
-            options: ``encoder_workers``, ``encoder_threads`` and ``max_pending_mb``.
+            options: ``encoder_workers``, ``encoder_threads``, ``max_pending_mb``,
+                ``encode_timeout_s`` and ``encode_retries``.
 
         Returns:
             A writer whose next episode is ``total_episodes`` and next frame ``total_frames``.
@@ -397,6 +429,8 @@ class LeRobotWriter:
             self._pending_bytes += call.nbytes
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="lerobot-encode")
+        if self._encoder is None and self._video_keys:
+            self._encoder = video.take_encoder()
         for key in self._video_keys:
             call.encodes[key] = self._pool.submit(self._encode_video, call, key)
         for key in self._image_keys:
@@ -439,6 +473,9 @@ class LeRobotWriter:
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
                 self._pool = None
+            if self._encoder is not None:
+                video.give_back(self._encoder)
+                self._encoder = None
 
     def __enter__(self) -> LeRobotWriter:
         return self
@@ -465,9 +502,17 @@ class LeRobotWriter:
                 self._video,
                 limit * (1 << 20),
                 call.first_episode,
+                encoder=self._encoder,
+                timeout_s=self._encode_timeout,
+                retries=self._encode_retries,
+                # A call with a failed camera, or a stopped writer, commits nothing more.
+                cancelled=lambda: call.failure is not None or self._error is not None,
             )
         except RuntimeError as err:
-            raise RuntimeError(f"feature {key!r}, {err}") from err
+            if call.failure is None:
+                call.failure = RuntimeError(f"feature {key!r}, {err}")
+                call.failure.__cause__ = err
+            raise call.failure from call.failure.__cause__
 
     def _run_committer(self) -> None:
         """Committer thread: commit queued calls in order until none is left."""
