@@ -3,7 +3,8 @@
 Frames are small (32x32 and 32x48 video, 16x16 image) smooth synthetic images, so every test encodes in
 milliseconds. A decoded video frame must match its original within ``PSNR_DB`` (SVT-AV1 and
 libx264 at crf 30 give about 38 dB on these); image features are lossless PNG and match
-exactly. Crashes are simulated at every file commit and for real with SIGKILL. The last test
+exactly. Crashes are simulated at every file commit and for real with SIGKILL; a stuck or dying
+encoder inside the encoder process (``video.FAULT_ENV``), with a 2 s watchdog. The last test
 loads a collector-written dataset with LeRobot itself, skipped where LeRobot is not installed
 (see docs/lerobot.md).
 """
@@ -336,6 +337,142 @@ def test_encoder_error_names_the_episode_and_stops_the_writer(tmp_path, monkeypa
     assert not [p for p in root.rglob("*") if files.is_tmp(p)]
     assert LeRobotWriter.open(root).committed_episodes == 2
     check_videos(root, first[0])
+
+
+# -- the encoder's watchdog: a stuck encode is killed and redone, or reported in time ---------
+
+TIMEOUT = 2.0  # the watchdog of one attempt in these tests; a legitimate one takes ~20 ms
+
+
+def fresh_encoders(monkeypatch) -> list[video.EncoderProcess]:
+    """Give each writer a new encoder process (no idle one of an earlier test); collect them."""
+    made: list[video.EncoderProcess] = []
+
+    def take():
+        made.append(video.EncoderProcess())
+        return made[-1]
+
+    monkeypatch.setattr(video, "take_encoder", take)
+    return made
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def partial_videos(root: Path) -> list[Path]:
+    return [p for p in root.glob("videos/*/.call-*") if files.is_tmp(p)]
+
+
+def close_within(writer, seconds, encoders, seen=None) -> BaseException | None:
+    """``writer.close()``, failing the test (not hanging it) if it takes over ``seconds``.
+
+    Meanwhile, adds to ``seen`` the hidden video files that exist while the encodes run.
+    """
+    outcome: list[BaseException | None] = []
+
+    def run():
+        try:
+            writer.close()
+            outcome.append(None)
+        except BaseException as err:
+            outcome.append(err)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    deadline = time.perf_counter() + seconds
+    while thread.is_alive() and time.perf_counter() < deadline:
+        if seen is not None:
+            seen.update(partial_videos(writer.root))
+        thread.join(0.05)
+    if thread.is_alive():  # the watchdog failed: end the stuck processes so the run can end
+        while thread.is_alive():
+            for encoder in encoders:
+                for pid in encoder.pids:
+                    if alive(pid):
+                        os.kill(pid, signal.SIGKILL)
+            thread.join(0.5)
+        pytest.fail(f"close() did not return within {seconds} s")
+    return outcome[0]
+
+
+@pytest.mark.parametrize("fault", ["hang", "crash"])
+def test_a_stuck_or_dead_encoder_is_replaced_and_the_job_redone(tmp_path, monkeypatch, fault):
+    encoders = fresh_encoders(monkeypatch)
+    root = tmp_path / "ds"
+    first, second = batch(0, [5, 6]), batch(2, [40, 4, 5])
+    # The second call's top-camera job: its first attempt encodes episode 2 (long enough for the
+    # encoder to write some of it), then hangs for ever in a native call holding the GIL (or
+    # its process aborts), its mp4 half written.
+    monkeypatch.setenv(video.FAULT_ENV, f"{fault}:1:{TOP}/.call-2-")
+    writer = LeRobotWriter(root, fps=FPS, features=FEATURES, encode_timeout_s=TIMEOUT)
+    writer.add_episodes(*first)
+    writer.wait()
+    start = time.perf_counter()
+    writer.add_episodes(*second)
+    seen: set[Path] = set()
+    assert close_within(writer, TIMEOUT + 30, encoders, seen) is None
+    elapsed = time.perf_counter() - start
+    if fault == "hang":
+        assert TIMEOUT <= elapsed < TIMEOUT + 20  # the watchdog fired, once
+        assert any(p.parent.name == TOP for p in seen)  # the stuck attempt had begun its mp4
+    [encoder] = encoders
+    # One process for the first call and the failed attempt, a fresh one for the retry (and
+    # the wrist camera's job); the first is gone, not left hanging.
+    assert len(encoder.pids) == 2 and not alive(encoder.pids[0])
+    assert writer.committed_episodes == 5
+    # Frame counts, metadata, decoded frames, statistics; no partial or unreferenced mp4.
+    check_videos(root, first[0] + second[0])
+
+
+def test_an_encode_failing_every_attempt_is_reported_in_time(tmp_path, monkeypatch):
+    encoders = fresh_encoders(monkeypatch)
+    root = tmp_path / "ds"
+    first, second = batch(0, [5, 6]), batch(2, [40, 4, 5])
+    # Every attempt hangs once episode 2 is partly written.
+    monkeypatch.setenv(video.FAULT_ENV, f"hang:99:{TOP}/.call-2-")
+    writer = LeRobotWriter(
+        root, fps=FPS, features=FEATURES, encode_timeout_s=TIMEOUT, encode_retries=1
+    )
+    writer.add_episodes(*first)
+    writer.wait()
+    start = time.perf_counter()
+    writer.add_episodes(*second)
+    seen: set[Path] = set()
+    err = close_within(writer, 2 * TIMEOUT + 30, encoders, seen)
+    elapsed = time.perf_counter() - start
+    assert isinstance(err, LeRobotWriteError)
+    message = str(err)
+    assert "episodes 2 to 4 were not written" in message
+    assert f"feature {TOP!r}" in message and "2 attempt(s) failed" in message
+    assert message.count(f"no answer within {TIMEOUT:g} s: the encoder process was killed") == 2
+    assert 2 * TIMEOUT <= elapsed < 2 * TIMEOUT + 20  # two attempts, each cut at the timeout
+    [encoder] = encoders
+    assert len(encoder.pids) == 2 and not any(alive(pid) for pid in encoder.pids)
+    with pytest.raises(LeRobotWriteError, match="episodes 2 to 4"):
+        writer.add_episodes(*first)
+    # The hung attempts had written files; they are gone. What was committed before is intact,
+    # and no metadata names anything of the failed call.
+    assert {p.name.split(".mp4")[0] for p in seen if p.parent.name == TOP} == {".call-2-0"}
+    assert not [p for p in root.rglob("*") if files.is_tmp(p)]
+    check_videos(root, first[0])
+    monkeypatch.delenv(video.FAULT_ENV)
+    with LeRobotWriter.open(root) as writer:
+        assert writer.add_episodes(*second) == range(2, 5)
+    check_videos(root, first[0] + second[0])
+
+
+def test_default_encode_timeout_is_generous_and_scales():
+    def frames(n, h, w):
+        return [np.zeros((n, h, w, 3), np.uint8)]
+
+    assert video.default_timeout(frames(100, 96, 96)) == 60.0
+    assert video.default_timeout(frames(20_000, 96, 96)) == pytest.approx(200.0)
+    assert video.default_timeout(frames(20_000, 480, 640)) == pytest.approx(200.0 * 3.072)
 
 
 class Killed(BaseException):

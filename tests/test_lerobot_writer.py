@@ -523,6 +523,10 @@ def test_incompatible_folder_is_refused_untouched(tmp_path, case, match):
         (FEATURES, {"fps": 2.5}, "fps"),
         (FEATURES, {"data_files_size_in_mb": 0}, "data_files_size_in_mb"),
         (FEATURES, {"chunks_size": 0}, "chunks_size"),
+        (FEATURES, {"encode_timeout_s": 0}, "encode_timeout_s"),
+        (FEATURES, {"encode_timeout_s": "5"}, "encode_timeout_s"),
+        (FEATURES, {"encode_retries": -1}, "encode_retries"),
+        (FEATURES, {"encode_retries": 1.0}, "encode_retries"),
     ],
 )
 def test_bad_configuration_writes_nothing(tmp_path, features, kwargs, match):
