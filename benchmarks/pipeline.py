@@ -35,7 +35,7 @@ from jaxtraj import TrajectoryPlan
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument(
         "--out", default=os.path.join(os.path.dirname(__file__), "results", "pipeline.json")
     )
@@ -71,12 +71,21 @@ def main():
     compile_s = time.perf_counter() - t0
     del compiled
 
-    # Interleaved, round by round: a flush into fresh buffers, and one that recycles the
-    # micro-batches of the previous flush (donated: the Actor has consumed them).
+    # Interleaved, round by round, so that every contender meets the same machine load: a
+    # flush into fresh buffers, one that recycles the micro-batches of the previous flush
+    # (donated: the Actor has consumed them), a memory copy of the packed bytes and a
+    # jitted JAX copy of them into a new buffer.
     state = jax.block_until_ready(jax.tree.map(lambda x: x.copy(), state))
     batches, state, _ = flush(state, mode_state, 0)
     spare = jax.block_until_ready(jax.tree.map(lambda x: x.copy(), batches))
-    times = {"fresh": [], "recycled": []}
+    out_bytes = sum(x.nbytes for x in jax.tree.leaves(batches))
+    del batches
+    src = np.random.default_rng(0).integers(0, 255, out_bytes, np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    src_dev, jcopy = jax.device_put(src), jax.jit(lambda x: x.copy())
+    jax.block_until_ready(jcopy(src_dev))
+    times = {"fresh": [], "recycled": [], "memcpy": [], "jax_copy": []}
     for _ in range(repeats + 1):
         t0 = time.perf_counter()
         batches, state, _ = flush(state, mode_state, 0)  # the same epoch again each time
@@ -87,29 +96,16 @@ def main():
         spare, state, _ = flush(state, mode_state, 0, 0, spare)
         jax.block_until_ready(spare)
         times["recycled"].append(time.perf_counter() - t0)
-    batches = spare
-    flush_ms = statistics.median(times["fresh"][1:]) * 1e3
-    recycled_ms = statistics.median(times["recycled"][1:]) * 1e3
-    out_bytes = sum(x.nbytes for x in jax.tree.leaves(batches))
-
-    src = np.random.default_rng(0).integers(0, 255, out_bytes, np.uint8)
-    dst = np.empty_like(src)
-    np.copyto(dst, src)
-    copies = []
-    for _ in range(repeats):
         t0 = time.perf_counter()
         np.copyto(dst, src)
-        copies.append(time.perf_counter() - t0)
-    copy_ms = statistics.median(copies) * 1e3
-    # A jitted copy into a new buffer: what producing that many fresh bytes costs JAX.
-    src_dev, jcopy = jax.device_put(src), jax.jit(lambda x: x.copy())
-    jax.block_until_ready(jcopy(src_dev))
-    fresh = []
-    for _ in range(repeats):
+        times["memcpy"].append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         jax.block_until_ready(jcopy(src_dev))
-        fresh.append(time.perf_counter() - t0)
-    jax_copy_ms = statistics.median(fresh) * 1e3
+        times["jax_copy"].append(time.perf_counter() - t0)
+    ms = {k: statistics.median(v[1:]) * 1e3 for k, v in times.items()}
+    flush_ms, recycled_ms, copy_ms, jax_copy_ms = (
+        ms["fresh"], ms["recycled"], ms["memcpy"], ms["jax_copy"]
+    )
     report = {
         "benchmark": "pipeline",
         "machine": machine(),

@@ -172,8 +172,11 @@ def flush(
     R = plan.actor_ranks
     MB, M = packing(plan, N)
     total = R * MB * M
-    order = jax.random.permutation(rng, N)
-    order = order[jnp.argsort(~valid[order], stable=True)]  # valid samples first
+    # One sort shuffles and puts the valid samples first: keys (invalid, 63 random bits)
+    # (a permutation and then a stable argsort measured 4 ms at N = 8192, this 2.4 ms).
+    bits = jax.random.bits(rng, (2, N), jnp.uint32)
+    first = ((~valid).astype(jnp.uint32) << 31) | (bits[0] >> 1)
+    order = jax.lax.sort((first, bits[1], jnp.arange(N, dtype=jnp.int32)), num_keys=2)[-1]
     # Position i of the shuffled order goes to rank i % R, place i // R within it; the
     # padding positions N .. total-1 read zeros and a false loss_mask.
     place = lambda i: (i % R) * (MB * M) + i // R
