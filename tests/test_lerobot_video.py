@@ -12,6 +12,7 @@ loads a collector-written dataset with LeRobot itself, skipped where LeRobot is 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -401,7 +402,10 @@ def close_within(writer, seconds, encoders, seen=None) -> BaseException | None:
 
 
 @pytest.mark.parametrize("fault", ["hang", "crash"])
-def test_a_stuck_or_dead_encoder_is_replaced_and_the_job_redone(tmp_path, monkeypatch, fault):
+def test_a_stuck_or_dead_encoder_is_replaced_and_the_job_redone(
+    tmp_path, monkeypatch, caplog, fault
+):
+    caplog.set_level(logging.WARNING, logger=video.__name__)
     encoders = fresh_encoders(monkeypatch)
     root = tmp_path / "ds"
     first, second = batch(0, [5, 6]), batch(2, [40, 4, 5])
@@ -424,6 +428,9 @@ def test_a_stuck_or_dead_encoder_is_replaced_and_the_job_redone(tmp_path, monkey
     # One process for the first call and the failed attempt, a fresh one for the retry (and
     # the wrist camera's job); the first is gone, not left hanging.
     assert len(encoder.pids) == 2 and not alive(encoder.pids[0])
+    why = "no answer within 2 s" if fault == "hang" else "the encoder process died"
+    assert "episodes 2 to 4: encoding attempt 1 of 3 failed, trying again" in caplog.text
+    assert why in caplog.text
     assert writer.committed_episodes == 5
     # Frame counts, metadata, decoded frames, statistics; no partial or unreferenced mp4.
     check_videos(root, first[0] + second[0])

@@ -21,8 +21,10 @@ process; a job that fails every attempt raises ``RuntimeError`` naming its episo
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
+import signal
 import struct
 import subprocess
 import sys
@@ -36,6 +38,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+_log = logging.getLogger(__name__)
 
 CODECS = ("libsvtav1", "h264")
 # What LeRobot stores as ``video.codec`` (the stream's canonical name), and back.
@@ -220,6 +224,15 @@ def encode(
                 result = _check_answer(answer, paths, episodes)
             except EncoderFailed as err:
                 failures.append(f"attempt {attempt + 1}: {err}")
+                if attempt < retries:
+                    _log.warning(
+                        "%s: encoding attempt %d of %d failed, trying again in a fresh encoder "
+                        "process: %s",
+                        _episodes_name(first_episode, len(episodes)),
+                        attempt + 1,
+                        retries + 1,
+                        err,
+                    )
                 # The next attempt gets a fresh process; this one is gone (killed, dead, or
                 # ended here), so nothing writes these files any more.
                 encoder.close()
@@ -430,9 +443,6 @@ class EncoderProcess:
             stdout=subprocess.PIPE,
             bufsize=0,
             close_fds=True,
-            # Not in the caller's process group: a Ctrl-C reaches the caller, which ends the
-            # child by closing its stdin, rather than killing an encode mid-file.
-            start_new_session=True,
         )
         self._proc = proc
         self._end = weakref.finalize(self, _end_process, proc)
@@ -598,6 +608,8 @@ def _serve() -> None:
     out = os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(2, 1)  # whatever a library prints goes to stderr, never into the answers
     os.environ.setdefault("SVT_LOG", "1")
+    # A Ctrl-C at the terminal is the caller's to handle: the child ends when its stdin closes.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = os.getppid()
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
     _send(out, ("ready", os.getpid()))
