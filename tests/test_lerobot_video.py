@@ -473,6 +473,50 @@ def test_an_encode_failing_every_attempt_is_reported_in_time(tmp_path, monkeypat
     check_videos(root, first[0] + second[0])
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux scheduling policies")
+def test_the_encoder_process_never_runs_real_time(tmp_path):
+    """SVT-AV1 makes its threads SCHED_FIFO 99 where it may (root): not in the encoder process."""
+    encoder = video.EncoderProcess()
+    try:
+        encoder._start()
+        pid = encoder.pid
+        status = Path(f"/proc/{pid}/status").read_text()
+        effective = int(status.split("CapEff:")[1].split()[0], 16)
+        assert not effective & (1 << 23)  # CAP_SYS_NICE
+        policies, threads, done = set(), set(), threading.Event()
+
+        def watch():
+            while not done.is_set():
+                for task in Path(f"/proc/{pid}/task").iterdir():
+                    try:
+                        policies.add(os.sched_getscheduler(int(task.name)))
+                        threads.add(task.name)
+                    except OSError:
+                        pass
+                time.sleep(0.002)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            frames = [camera(0, 300, 96, 96)]
+            video.encode(
+                lambda i: tmp_path / f".part-{i}.tmp",
+                frames,
+                FPS,
+                video.VideoSettings(),
+                float("inf"),
+                encoder=encoder,
+                timeout_s=60,
+            )
+        finally:
+            done.set()
+            watcher.join()
+        assert len(threads) > 3  # the encoder's own threads were seen
+        assert policies <= {os.SCHED_OTHER, os.SCHED_BATCH, os.SCHED_IDLE}
+    finally:
+        encoder.close()
+
+
 def test_default_encode_timeout_is_generous_and_scales():
     def frames(n, h, w):
         return [np.zeros((n, h, w, 3), np.uint8)]
