@@ -517,6 +517,28 @@ def test_the_encoder_process_never_runs_real_time(tmp_path):
         encoder.close()
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux scheduling policies")
+def test_an_in_process_encode_leaves_its_thread_as_it_was(tmp_path):
+    seen = []
+
+    def run():
+        before = os.sched_getscheduler(0), os.sched_getparam(0)
+        video.encode(
+            lambda i: tmp_path / f".part-{i}.tmp",
+            [camera(0, 20, 32, 32)],
+            FPS,
+            video.VideoSettings(),
+            float("inf"),
+        )
+        seen.append((before, (os.sched_getscheduler(0), os.sched_getparam(0))))
+
+    thread = threading.Thread(target=run)  # SVT-AV1 may make it SCHED_FIFO 99 (root)
+    thread.start()
+    thread.join()
+    [(before, after)] = seen
+    assert after == before
+
+
 def test_default_encode_timeout_is_generous_and_scales():
     def frames(n, h, w):
         return [np.zeros((n, h, w, 3), np.uint8)]

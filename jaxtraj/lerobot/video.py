@@ -21,6 +21,7 @@ process; a job that fails every attempt raises ``RuntimeError`` naming its episo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
@@ -171,7 +172,8 @@ def encode(
         max_bytes: A file is closed after the episode that takes it past this size.
         first_episode: The first episode's index, for error messages.
         encoder: Encode in this supervised process (the writer's way); None encodes in this
-            process, without a watchdog.
+            process, without a watchdog (the calling thread's scheduling policy is put back
+            afterwards: SVT-AV1 makes it ``SCHED_FIFO`` 99 where it may).
         timeout_s: With ``encoder``: the watchdog of one attempt, in seconds; None is
             :func:`default_timeout`.
         retries: With ``encoder``: attempts after the first one that failed (timed out, the
@@ -191,7 +193,7 @@ def encode(
     if encoder is None:
         import av
 
-        with _ONE_ENCODER:
+        with _ONE_ENCODER, _same_scheduling():
             return _encode(av, part_path, episodes, fps, settings, max_bytes, first_episode)
     if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
         raise ValueError(f"retries must be an int >= 0, got {retries!r}")
@@ -650,6 +652,24 @@ def _serve() -> None:
         except Exception as err:
             answer = ("error", str(err))
         _send(out, answer)
+
+
+@contextlib.contextmanager
+def _same_scheduling():
+    """Put the calling thread's scheduling policy back as it was (Linux)."""
+    try:
+        before = os.sched_getscheduler(0), os.sched_getparam(0)
+    except (AttributeError, OSError):
+        yield
+        return
+    try:
+        yield
+    finally:
+        try:
+            if (os.sched_getscheduler(0), os.sched_getparam(0)) != before:
+                os.sched_setscheduler(0, *before)
+        except OSError:
+            pass
 
 
 def _no_realtime_priority() -> None:
