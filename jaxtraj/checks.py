@@ -253,7 +253,10 @@ def key_checks(
 def first_error(xp: Any, checks: list[tuple[Any, ErrorCode]]) -> Any:
     """The code of the first failing check, ``ErrorCode.OK`` (0) if none fails."""
     if xp is py:  # scalars: stop at the first failure
-        return next((int(c) for bad, c in checks if bad), 0)
+        for bad, c in checks:
+            if bad:
+                return int(c)
+        return 0
     code = xp.asarray(0, dtype=np.int32)
     for bad, c in reversed(checks):
         code = xp.where(bad, xp.asarray(int(c), dtype=np.int32), code)
@@ -403,18 +406,22 @@ class HostChecks:
         if not isinstance(part, (PolicyPart, EnvPart)):
             raise CollectorError(None, ErrorCode.STRUCTURE_MISMATCH, f"not a part: {type(part)}")
         leaves, treedef = jax.tree.flatten(part)
-        key = tuple(v if type(v) is int else _scalar(v, n) for v, n in zip(leaves[:5], _FIELDS))
+        if tuple(map(type, leaves[:7])) == _INTS:  # hot: plain Python ints
+            key, bs, off = tuple(leaves[:5]), leaves[5], leaves[6]
+        else:
+            key = tuple(_scalar(v, n) for v, n in zip(leaves[:5], _FIELDS))
+            bs, off = _scalar(leaves[5], "batch_size"), _scalar(leaves[6], "offset")
         info = self.signature(part, leaves, treedef, False, key)
         layout, rows = info.layout, info.layout.rows
-        bs, off = _scalar(leaves[5], "batch_size"), _scalar(leaves[6], "offset")
         s = self.index.get((key[2], key[3]))
         found, s = s is not None, s or 0
         rules = key_checks(py, self.plan, _Source(_Key(*key), bs, off), rows, found, int(step[s]))
         e, t = key[1], key[4]
         if not first_error(py, rules):
-            rules.append((rows_mask[s, e, t, off : off + rows].any(), ErrorCode.DUPLICATE))
+            dup = np.count_nonzero(rows_mask[s, e, t, off : off + rows])  # faster than any()
+            rules.append((dup, ErrorCode.DUPLICATE))
         if isinstance(part, EnvPart):
-            cut = any(np.asarray(leaves[i]).any() for i in info.cut)
+            cut = any(np.count_nonzero(leaves[i]) for i in info.cut)
             rules += env_checks(py, self.plan, t, layout, needs_final=self.needs_final, cut=cut)
         if self.plan.nonfinite == "reject" and info.finite:
             finite = all(np.isfinite(np.asarray(leaves[i])).all() for i in info.finite)
@@ -509,6 +516,7 @@ class HostChecks:
 
 
 _FIELDS = ("step_id", "epoch_id", "env_rank", "stage_id", "chunk_id")
+_INTS = (int,) * 7
 
 
 def _scalar(v: Any, name: str) -> int:
