@@ -297,11 +297,16 @@ DUPLICATES_IN_ONE_BATCH = [
 ]
 
 
+@pytest.mark.parametrize("stacked", [False, True], ids=["one by one", "stacked"])
 @pytest.mark.parametrize(
     "name,batch", DUPLICATES_IN_ONE_BATCH, ids=[c[0] for c in DUPLICATES_IN_ONE_BATCH]
 )
-def test_add_many_rejects_rows_repeated_within_the_batch(name, batch):
-    """Defect 15b: rows repeated within one add_many are duplicates too."""
+def test_add_many_rejects_rows_repeated_within_the_batch(name, batch, stacked, monkeypatch):
+    """Defect 15b: rows repeated within one add_many are duplicates too, whether the
+    batch's parts are checked one by one or stacked (many small parts)."""
+    from jaxtraj import collector
+
+    monkeypatch.setattr(collector, "_STACK_AT_LEAST", 1 if stacked else 10**9)
     c, rest = _collector()
     before = snapshot(c.state)
     with pytest.raises(CollectorError) as info:
