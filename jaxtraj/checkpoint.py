@@ -85,7 +85,7 @@ def save(collector, path: str | os.PathLike[str]) -> None:
     path = Path(path).absolute()
     if path.exists():
         raise CheckpointError(f"{path} exists; checkpoints are written to a new folder")
-    names, leaves, treedef = _named(collector.state_dict())
+    names, leaves, treedef = _named(collector.state_dict(copy=False))  # written at once
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.mkdir(parents=True)
     try:
@@ -238,7 +238,7 @@ def restore(path: str | os.PathLike[str], plan, policy_example, env_example, **k
         collector = TrajectoryCollector(
             plan, policy_example, env_example, sources=sources, **kwargs
         )
-        names, leaves, treedef = _named(collector.state_dict())
+        names, leaves, treedef = _named(collector.state_dict(copy=False))  # shapes only
         _check_layout(path, meta, names, leaves, treedef)
         try:
             buf, crcs = reading.result()

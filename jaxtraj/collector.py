@@ -98,8 +98,10 @@ class TrajectoryCollector:
 
     @property
     def states(self) -> tuple[state.CollectorState, ...]:
-        """The states as stored: one per source, or one stacked (pipeline mode); numpy
-        staging buffers (host storage) or device arrays (device storage)."""
+        """The states as stored: one per source, or one stacked (pipeline mode); views of
+        the numpy staging buffers (host storage) or the device arrays (device storage).
+        Live: later collection changes (or, on device, donates) them; take
+        :meth:`state_dict` for a snapshot."""
         return tuple(self._store.state(i, self.mirror) for i in range(len(self._store.groups)))
 
     @property
@@ -127,16 +129,24 @@ class TrajectoryCollector:
         """The training step a source currently accepts."""
         return int(self.mirror.step[self._source(env_rank, stage_id)])
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, copy: bool = True) -> dict[str, Any]:
         """Everything this collector holds, as one pytree of arrays (for checkpoints):
         the states (partial slots and fragments included), the mirror, the mode's state.
-        Restore it with :meth:`load_state_dict` on a collector built alike."""
-        return {
+        Restore it with :meth:`load_state_dict` on a collector built alike.
+
+        Args:
+          copy: a snapshot that later collection never changes (the default; safe to
+            hand to an asynchronous checkpointer). ``False`` returns views of the live
+            buffers, valid only until the next insert: for a writer that saves them at
+            once (:func:`jaxtraj.checkpoint.save` does).
+        """
+        out = {
             "states": list(self.states),
             "mode": jax.tree.map(np.asarray, list(self._mode_states)),
             "mirror": self.mirror.state_dict(),
             "current_version": np.asarray(self.current_version, np.int64),
         }
+        return jax.tree.map(lambda x: x.copy(), out) if copy else out
 
     def load_state_dict(self, tree: dict[str, Any]) -> None:
         """Replace everything this collector holds with ``tree`` (from :meth:`state_dict`)."""

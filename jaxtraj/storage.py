@@ -249,12 +249,20 @@ class HostStorage:
         return self._place(jax.device_put(self.state(i, mirror)))
 
     def state(self, i: int, mirror: Any) -> CollectorState:
-        """State ``i`` as host arrays: the staging buffers themselves, and a copy of the
-        coverage the mirror records for its sources."""
+        """State ``i`` as host arrays: views of the staging buffers (no copy), and a copy of
+        the coverage the mirror records for its sources.
+
+        Views, not the buffers' own array objects: whoever holds one (a checkpoint's
+        arrays, a device array adopting them) holds the staging's memory, and :meth:`renew`
+        does not reuse it while they do."""
         st, lay, group = self._states[i], self._layouts[i], self._groups[i]
         pick = (lambda x: x[group]) if len(group) > 1 or lay.stacked else (lambda x: x[group[0]])
         copy = lambda x: None if x is None else x.copy()
+        view = lambda tree: jax.tree.map(lambda x: x.view(), tree)
         full = st.replace(
+            policy=view(st.policy),
+            env=view(st.env),
+            initial=view(st.initial),
             policy_rows=np.array(pick(mirror.rows[PolicyPart])),
             env_rows=np.array(pick(mirror.rows[EnvPart])),
             next_obs_given=copy(st.next_obs_given),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -100,3 +101,22 @@ def test_add_many_mixes_stacked_small_parts_and_large_parts(monkeypatch):
     assert_same(snapshot(c.state), before)  # none of the batch went in
     (out,) = c.add_many(parts)
     assert_same(out[1], reference(0))
+
+
+@pytest.mark.parametrize("storage", ["host", "device"])
+def test_state_dict_is_a_snapshot(storage):
+    """A state_dict taken mid-step (e.g. handed to an asynchronous checkpointer) is not
+    changed by later collection: not by the rest of its step's writes into the same
+    staging, nor by a later step reusing it, nor by donated device buffers."""
+    c = jaxtraj.TrajectoryCollector(PLAN, policy_part(0), env_part(0), storage=storage)
+    parts = all_parts(0)
+    for p in parts[:5]:
+        c.add(p)
+    snap = c.state_dict()
+    kept = jax.tree.map(np.array, snap)
+    for p in parts[5:]:
+        c.add(p)
+    for k in range(1, 4):
+        for p in all_parts(0, step=k):
+            c.add(p)
+    chex.assert_trees_all_equal(jax.tree.map(np.asarray, snap), kept)
