@@ -179,6 +179,13 @@ def test_recycled_flush_equals_fresh_and_reuses_the_buffers():
     )  # written in place: no fresh allocation
     with pytest.raises(ValueError, match="recycle"):
         jaxtraj.pipeline.flush(PIPE, state, pipe, 1, 0, old.replace(extras={"x": old.actions}))
+    other, _, _ = flush(state, pipe, 0)
+    for bad, match in (
+        (other.replace(actions=other.actions.astype(np.float16)), r"recycle\['actions'\]: float16"),
+        (other.replace(actions=other.actions[:1]), r"recycle\['actions'\]: float32\[1,"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            jaxtraj.pipeline.flush(PIPE, state, pipe, 1, 0, bad)
 
 
 def test_row_packing_and_gather_packing_agree():

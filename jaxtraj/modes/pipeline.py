@@ -114,6 +114,8 @@ def flush(
     epoch: Any,
     current_version: Any = 0,
     recycle: MicroBatches | None = None,
+    *,
+    _row_loop: bool = True,
 ) -> tuple[MicroBatches, CollectorState, PipelineState]:
     """Flush one epoch of every source as micro-batches per Actor rank.
 
@@ -124,13 +126,18 @@ def flush(
       epoch: the epoch to flush (int or traced int32).
       current_version: the policy version now training; with ``plan.max_staleness``
         set, older samples get a false ``loss_mask``.
-      recycle: micro-batches of an earlier flush that the caller no longer uses (donate
-        them), or ``None``. Their buffers take the new samples in place: no fresh
-        allocation (on a CPU, no first-touch page faults; on a GPU, no allocator traffic).
+      recycle: micro-batches of an earlier flush of this plan that the caller no longer
+        uses (donate them), or ``None``. Their buffers take the new samples in place: no
+        fresh allocation (on a CPU, no first-touch page faults; on a GPU, no allocator
+        traffic). Donated, they are consumed even when the epoch is not flushed.
 
     Returns:
       ``(micro_batches, state, mode_state)``. An incomplete or already flushed epoch
       records ``INCOMPLETE_SCOPE`` and changes nothing else; discard the micro-batches.
+
+    Raises:
+      ValueError: ``recycle`` is not micro-batches of this plan (structure, shape or
+        dtype of a field), naming the field.
     """
     single = not state.stacked
     state = _stacked(state)
@@ -191,13 +198,24 @@ def flush(
                 f"recycle: not micro-batches of this plan: {jax.tree.structure(base)} "
                 f"against {tree}"
             )
+        named = jax.tree_util.tree_flatten_with_path(base)[0]
+        for (path, b), x in zip(named, leaves):
+            want = ((R, MB, M) + x.shape[1:], x.dtype)
+            if (tuple(b.shape), b.dtype) != want:
+                raise ValueError(
+                    f"recycle{jax.tree_util.keystr(path)}: {b.dtype}{list(b.shape)}, this plan's "
+                    f"micro-batches have {want[1]}{list(want[0])}"
+                )
         bases = [b.reshape((total,) + x.shape[1:]) for b, x in zip(jax.tree.leaves(base), leaves)]
+        gather = lambda leaves, bases, rows, order: _pack_gather(
+            N, place, leaves, total, rows, order
+        )
+        # The row loop only on one device: under a mesh the partitioner would gather
+        # every source's buffers onto every device before it.
         packed = jax.lax.platform_dependent(
             leaves, bases, rows, order,
-            cpu=functools.partial(_pack_rows, N, place),
-            default=lambda leaves, bases, rows, order: _pack_gather(
-                N, place, leaves, total, rows, order
-            ),
+            cpu=functools.partial(_pack_rows, N, place) if _row_loop else gather,
+            default=gather,
         )
     packed = [x.reshape((R, MB, M) + x.shape[1:]) for x in packed]
     fields = jax.tree.unflatten(tree, packed)
@@ -256,7 +274,7 @@ def _pack_rows(N, place, leaves, bases, rows, order):
 def _pack_gather(N, place, leaves, total, rows, order):
     """Pack with one gather per leaf, straight into its packed place (on a GPU or TPU
     always; on a CPU for fresh outputs, where the gather's first-touch page faults cost
-    more than its random reads)."""
+    more than its random reads, and under a mesh)."""
     i = jnp.arange(total)
     # Packed place p holds shuffled position i with place(i) = p: invert place().
     pos = jnp.zeros((total,), jnp.int32).at[place(i)].set(i.astype(jnp.int32))
@@ -278,7 +296,8 @@ def make_flush(
     ``(state, mode_state, epoch, current_version=0, recycle=None) -> (batches, state,
     mode_state)``.
 
-    Without a mesh: ``jax.jit`` with the state (and ``recycle``) donated. With one: the state's sources
+    The state and ``recycle`` are donated (unless ``donate=False``). Without a mesh:
+    ``jax.jit``. With one: the state's sources
     are sharded over ``source_axis`` (place it with :func:`shard_state`) and every
     micro-batch leaf comes out sharded over ``actor_axis`` on its leading rank axis.
 
@@ -286,9 +305,9 @@ def make_flush(
       ValueError: a named axis is not in the mesh, or ``actor_ranks`` does not
         divide over the actor axis.
     """
-    fn = functools.partial(flush, plan)
     if mesh is None:
-        return jax.jit(fn, donate_argnums=(0, 4) if donate else ())
+        return jax.jit(functools.partial(flush, plan), donate_argnums=(0, 4) if donate else ())
+    fn = functools.partial(flush, plan, _row_loop=False)
     for name, axis in (("source_axis", source_axis), ("actor_axis", actor_axis)):
         if axis not in mesh.axis_names:
             raise ValueError(f"{name}={axis!r} is not an axis of the mesh {dict(mesh.shape)}")
