@@ -456,13 +456,26 @@ class HostChecks:
             checked.append(found)
         return checked
 
-    def stack(self, part: Any, rows_mask: np.ndarray, step: np.ndarray) -> np.ndarray:
+    def stack(
+        self, part: Any, rows_mask: np.ndarray, step: np.ndarray, places: list | None = None
+    ) -> np.ndarray:
         """Check a stack of parts (a leading axis ``N``) and mark their rows in
         ``rows_mask``; return their source indices ``[N]``.
 
         Rows repeated within the stack are duplicates too. Raises ``CollectorError``
-        for the first rejected part; ``rows_mask`` is then unchanged.
+        for the first rejected part (named by its place in the caller's batch when
+        ``places`` gives them); ``rows_mask`` is then unchanged.
         """
+        if not isinstance(part, (PolicyPart, EnvPart)):
+            raise CollectorError(None, ErrorCode.STRUCTURE_MISMATCH, f"not a part: {type(part)}")
+        leading = jax.tree.leaves((part.source.key, part.replace(source=None)))
+        sizes = {np.shape(x)[:1] for x in leading}
+        if len(sizes) != 1 or () in sizes:  # batch_size and offset may be scalars
+            raise CollectorError(
+                None, ErrorCode.STRUCTURE_MISMATCH,
+                f"a stacked part needs one leading axis N on its keys and payload leaves, "
+                f"got {sorted(sizes)}",
+            )
         keys = np.stack([np.asarray(v) for v in part.source.key.fields()], axis=1)
         layout = self.structure(part, True, None)
         check_key_dtypes(jax.tree.map(lambda x: np.asarray(x).reshape(-1)[0], part.source))
@@ -510,7 +523,8 @@ class HostChecks:
         bad = np.flatnonzero(code)
         if bad.size:
             i = bad[0]
-            raise CollectorError(keys[i], code[i], f"part {i} of its group in the batch")
+            where = f"part {i} of its group" if places is None else f"part {places[i]} of"
+            raise CollectorError(keys[i], code[i], f"{where} the batch")
         mask[flat] = True
         return s
 

@@ -23,7 +23,7 @@ from jaxtraj.errors import CollectorError, ErrorCode
 from jaxtraj.mirror import Mirror
 from jaxtraj.plan import TrajectoryPlan
 from jaxtraj.storage import small_part, storage_for
-from jaxtraj.types import EnvPart, PolicyPart, stack_parts
+from jaxtraj.types import EnvPart, PolicyPart, stack_parts, stack_parts_indexed
 
 Items = list[tuple[str, Any]]
 
@@ -210,15 +210,26 @@ class TrajectoryCollector:
         if sum(small) < _STACK_AT_LEAST:
             small = [False] * len(parts)
         large = [n for n, sm in enumerate(small) if not sm]
-        groups = stack_parts([p for p, sm in zip(parts, small) if sm])
-        return self._add_stacked(groups, [parts[n] for n in large], large)
+        stacked = [n for n, sm in enumerate(small) if sm]
+        indexed = stack_parts_indexed([parts[n] for n in stacked])
+        groups = [g for g, _ in indexed]
+        group_places = [[stacked[i] for i in where] for _, where in indexed]
+        return self._add_stacked(groups, [parts[n] for n in large], large, group_places)
 
-    def _add_stacked(self, groups: list, large: list = (), places: list | None = None) -> Items:
-        """Check ``groups`` (stacked parts) and ``large`` (parts one by one, at ``places``
-        in the caller's batch) against one copy of the coverage, then insert them all."""
+    def _add_stacked(
+        self, groups: list, large: list = (), places: list | None = None,
+        group_places: list | None = None,
+    ) -> Items:
+        """Check ``groups`` (stacked parts; ``group_places`` their parts' places in the
+        caller's batch) and ``large`` (parts one by one, at ``places``) against one copy
+        of the coverage, then insert them all."""
         rows = {k: v.copy() for k, v in self.mirror.rows.items()}
         checked = self._checks.many(large, rows, self.mirror.step, places) if large else []
-        owners = [self._checks.stack(g, rows[type(g)], self.mirror.step) for g in groups]
+        owners = [
+            self._checks.stack(g, rows[type(g)], self.mirror.step,
+                               None if group_places is None else group_places[n])
+            for n, g in enumerate(groups)
+        ]
         layouts = [self._checks.structure(g, True) for g in groups]
         for s, e, t, off, layout, leaves, treedef in checked:
             self._store.insert(*self.mode.slot(s, e, t, off), leaves, treedef, layout)

@@ -78,6 +78,8 @@ class CollectorError(Exception):
       key: the offending ``TrajectoryKey`` as a tuple
         ``(step_id, epoch_id, env_rank, stage_id, chunk_id)``, or ``None``.
       code: the :class:`ErrorCode`.
+      detail: what the message adds to the code's reason (the field, the part's place
+        in a batch), or ``""``.
     """
 
     def __init__(self, key: Any, code: ErrorCode | int, detail: str = ""):
@@ -91,6 +93,9 @@ class CollectorError(Exception):
         if detail:
             msg = f"{msg} ({detail})"
         super().__init__(msg)
+
+    def __reduce__(self):  # picklable: across processes (Ray actors, multiprocessing)
+        return (type(self), (self.key, self.code, self.detail))
 
 
 def raise_if_error(state: Any) -> None:

@@ -407,16 +407,23 @@ def stack_parts(parts: Iterable[PolicyPart | EnvPart]) -> list[PolicyPart | EnvP
     in order of first appearance: what :meth:`TrajectoryCollector.add_many` and the
     pure ``add_policies`` / ``add_envs`` take.
     """
-    by_sig: dict[Any, list] = {}
-    for part in parts:
+    return [group for group, _ in stack_parts_indexed(parts)]
+
+
+def stack_parts_indexed(parts: Iterable[PolicyPart | EnvPart]) -> list[tuple[Any, list[int]]]:
+    """:func:`stack_parts`, each group with the places its parts had in ``parts``."""
+    by_sig: dict[Any, tuple[list, list]] = {}
+    for n, part in enumerate(parts):
         if not isinstance(part, (PolicyPart, EnvPart)):
             raise CollectorError(None, ErrorCode.STRUCTURE_MISMATCH, f"not a part: {type(part)}")
         leaves, treedef = jax.tree.flatten(part)
         sig = (treedef, tuple([getattr(x, "shape", ()) for x in leaves]))  # hot: no np.shape
-        by_sig.setdefault(sig, []).append(leaves)
+        group, places = by_sig.setdefault(sig, ([], []))
+        group.append(leaves)
+        places.append(n)
     return [
-        jax.tree.unflatten(treedef, [_stack(xs) for xs in zip(*group)])
-        for (treedef, _), group in by_sig.items()
+        (jax.tree.unflatten(treedef, [_stack(xs) for xs in zip(*group)]), places)
+        for (treedef, _), (group, places) in by_sig.items()
     ]
 
 

@@ -95,7 +95,7 @@ def test_add_many_mixes_stacked_small_parts_and_large_parts(monkeypatch):
     parts = all_parts(0)[::-1]
     before = snapshot(c.state)
     bad = env_part(1).replace(final_values=np.full((B,), np.nan, np.float32))
-    with pytest.raises(jaxtraj.CollectorError, match="of its group in the batch") as info:
+    with pytest.raises(jaxtraj.CollectorError, match="part 4 of the batch") as info:
         c.add_many(parts[:4] + [bad] + parts[4:])
     assert info.value.code == jaxtraj.ErrorCode.NON_FINITE
     assert_same(snapshot(c.state), before)  # none of the batch went in
@@ -120,3 +120,23 @@ def test_state_dict_is_a_snapshot(storage):
         for p in all_parts(0, step=k):
             c.add(p)
     chex.assert_trees_all_equal(jax.tree.map(np.asarray, snap), kept)
+
+
+def test_stacked_part_with_unequal_leading_axes_is_refused_before_any_write():
+    c = jaxtraj.TrajectoryCollector(PLAN, policy_part(0), env_part(0))
+    two = jaxtraj.stack_parts([policy_part(0), policy_part(1)])[0]
+    bad = two.replace(output=two.output.replace(actions=two.output.actions[:1]))
+    before = snapshot(c.state)
+    with pytest.raises(jaxtraj.CollectorError, match="one leading axis N") as info:
+        c.add_many(bad)
+    assert info.value.code == jaxtraj.ErrorCode.STRUCTURE_MISMATCH
+    assert_same(snapshot(c.state), before)
+    assert not c.state.policy_rows.any()
+
+
+def test_collector_error_pickles():
+    import pickle
+
+    err = jaxtraj.CollectorError((0, 0, 1, 0, 2), jaxtraj.ErrorCode.DUPLICATE, "part 3 of the batch")
+    back = pickle.loads(pickle.dumps(err))
+    assert (back.key, back.code, back.detail, str(back)) == (err.key, err.code, err.detail, str(err))
