@@ -495,9 +495,9 @@ class HostChecks:
         # Flat indices of every row into the (contiguous) coverage mask.
         S, E, T, B = rows_mask.shape
         flat = (((s * E + e) * T + t) * B + o)[:, None] + np.arange(rows)
-        mask = rows_mask.reshape(-1)
-        if not np.shares_memory(mask, rows_mask):  # marks must land in the caller's mask
+        if not rows_mask.flags.c_contiguous:  # the marks must land in the caller's mask
             raise ValueError("the coverage mask must be C-contiguous")
+        mask = rows_mask.reshape(-1)  # a view
         dup = mask[flat].any(axis=1)
         # Rows repeated within the stack: every occurrence after the first is a duplicate.
         # A sort finds whether there are any; only then does np.unique say which.

@@ -235,15 +235,14 @@ class TrajectoryCollector:
             self._store.insert(*self.mode.slot(s, e, t, off), leaves, treedef, layout)
         for group, s_of, layout in zip(groups, owners, layouts):
             self._store.insert_stack(self.mode, group, s_of, layout)
-        m = self.mirror  # everything is in: record it
-        m.rows = rows
-        for s, e, _, _, layout, _, _ in checked:
-            m.received[s, e] += layout.rows
+        # Everything is in: record it (rows received per source and epoch, per part).
+        per_part = [np.array([(c[0], c[1], c[4].rows) for c in checked], np.int64).reshape(-1, 3)]
         for group, s_of, layout in zip(groups, owners, layouts):
             e = np.broadcast_to(np.asarray(group.source.key.epoch_id), s_of.shape)
-            np.add.at(m.received, (s_of, e), layout.rows)
-        sources = {c[0] for c in checked}.union(*(o.tolist() for o in owners))
-        m.last_seen[sorted(sources)] = time.monotonic()
+            per_part.append(np.stack([s_of, e, np.full(s_of.shape, layout.rows)], axis=1))
+        s, e, n = np.concatenate(per_part).T
+        self.mirror.take(rows, s, e, n)
+        self.mirror.last_seen[np.unique(s)] = time.monotonic()
         return self._flush_complete()
 
     # -- scopes and flushes ---------------------------------------------------------------

@@ -35,6 +35,12 @@ class Mirror:
         self.rows[kind][s, e, t, off : off + rows] = True
         self.received[s, e] += rows
 
+    def take(self, rows: dict, s: np.ndarray, e: np.ndarray, n: np.ndarray) -> None:
+        """Take the coverage ``rows`` a batch's checks marked (a copy of :attr:`rows`) and
+        count ``n[i]`` rows received at each ``(s[i], e[i])``."""
+        self.rows = rows
+        np.add.at(self.received, (s, e), n)
+
     def recount(self) -> None:
         self.received = sum(r.sum(axis=(2, 3)) for r in self.rows.values())
 

@@ -145,7 +145,7 @@ def flush(
     ok = ready(state, mode_state)[e]
     rng = jax.random.fold_in(jax.random.fold_in(mode_state.rng, state.step[0]), e)
     # Materialise every epoch without slicing: the per-chunk fields are the buffers
-    # themselves, so the only copy of the big fields is the final scatter.
+    # themselves, so the only copy of the big fields is the final packing.
     trajs = jax.vmap(lambda st: materialize(plan, st))(state)  # [S, E, T(+1), B, ...]
     targets = jax.vmap(lambda tr: trajectory_targets(plan, tr, current_version))(trajs)
 
@@ -206,17 +206,16 @@ def flush(
                     f"recycle{jax.tree_util.keystr(path)}: {b.dtype}{list(b.shape)}, this plan's "
                     f"micro-batches have {want[1]}{list(want[0])}"
                 )
-        bases = [b.reshape((total,) + x.shape[1:]) for b, x in zip(jax.tree.leaves(base), leaves)]
-        gather = lambda leaves, bases, rows, order: _pack_gather(
-            N, place, leaves, total, rows, order
-        )
-        # The row loop only on one device: under a mesh the partitioner would gather
-        # every source's buffers onto every device before it.
-        packed = jax.lax.platform_dependent(
-            leaves, bases, rows, order,
-            cpu=functools.partial(_pack_rows, N, place) if _row_loop else gather,
-            default=gather,
-        )
+        bases = [b.reshape((total,) + x.shape[1:]) for (_, b), x in zip(named, leaves)]
+        if _row_loop:
+            packed = jax.lax.platform_dependent(
+                leaves, bases, rows, order,
+                cpu=functools.partial(_pack_rows, N, place),
+                default=lambda leaves, *_: _pack_gather(N, place, leaves, total, rows, order),
+            )
+        else:  # under a mesh a row loop would make the partitioner gather every source's
+            # buffers onto every device
+            packed = _pack_gather(N, place, leaves, total, rows, order)
     packed = [x.reshape((R, MB, M) + x.shape[1:]) for x in packed]
     fields = jax.tree.unflatten(tree, packed)
     small = _pack_gather(N, place, [advantages, valid], total, jnp.arange(N), order)
@@ -268,7 +267,7 @@ def _pack_rows(N, place, leaves, bases, rows, order):
     outs = [copy_rows(x, b) for x, b in zip(leaves, bases)]
     if len(pad):
         outs = [o.at[pad].set(jnp.zeros((), o.dtype), unique_indices=True) for o in outs]
-    return list(outs)
+    return outs
 
 
 def _pack_gather(N, place, leaves, total, rows, order):
