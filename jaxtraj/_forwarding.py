@@ -45,4 +45,4 @@ def forwarding_jit(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _signature(leaves) -> tuple:
-    return tuple((tuple(x.shape), str(x.dtype)) for x in leaves)
+    return tuple([(x.shape, x.dtype) for x in leaves])  # dtype objects hash fast; str() does not

@@ -314,7 +314,8 @@ class Signature(NamedTuple):
 
     layout: Layout
     finite: tuple[int, ...]  # leaves that nonfinite="reject" checks
-    cut: tuple[int, ...]  # leaves whose any() cuts an episode
+    cut: tuple[int, ...] | None  # leaves whose any() cuts an episode (None: a policy half)
+    boundary: dict  # an env half's boundary rules' code by (first chunk, last chunk, cut)
 
 
 class _Pair:
@@ -377,12 +378,12 @@ class HostChecks:
                 )
             probe = jax.tree.unflatten(treedef, range(len(leaves)))  # leaves: their indices
             if isinstance(part, PolicyPart):
-                layout, cut = policy_structure(self.layout, view, key), ()
+                layout, cut = policy_structure(self.layout, view, key), None
             else:
                 layout = env_structure(self.layout, view, key)
                 flags = probe.transition.cut_flags(self.plan.truncation_bootstrap, _Pair)
                 cut = tuple(jax.tree.leaves(flags))
-            found = Signature(layout, tuple(finite_leaves(probe)), cut)
+            found = Signature(layout, tuple(finite_leaves(probe)), cut, {})
             self._seen[sig] = found
         return found
 
@@ -412,23 +413,32 @@ class HostChecks:
             key = tuple(_scalar(v, n) for v, n in zip(leaves[:5], _FIELDS))
             bs, off = _scalar(leaves[5], "batch_size"), _scalar(leaves[6], "offset")
         info = self.signature(part, leaves, treedef, False, key)
-        layout, rows = info.layout, info.layout.rows
-        s = self.index.get((key[2], key[3]))
-        found, s = s is not None, s or 0
-        rules = key_checks(py, self.plan, _Source(_Key(*key), bs, off), rows, found, int(step[s]))
-        e, t = key[1], key[4]
-        if not first_error(py, rules):
-            dup = np.count_nonzero(rows_mask[s, e, t, off : off + rows])  # faster than any()
-            rules.append((dup, ErrorCode.DUPLICATE))
-        if isinstance(part, EnvPart):
+        layout, rows, plan = info.layout, info.layout.rows, self.plan
+        step_id, e, rank, stage, t = key
+        s = self.index.get((rank, stage))
+        # Every key rule at once; only a part that fails one is run through the rules in
+        # their priority order (the same rules, the same code, for the error).
+        if not (s is not None and 0 <= e < plan.num_epochs and 0 <= t < plan.num_chunks
+                and step_id == step[s] and bs == plan.batch_size
+                and 0 <= off and off + rows <= plan.batch_size):
+            found, s = s is not None, s or 0
+            rules = key_checks(py, plan, _Source(_Key(*key), bs, off), rows, found, int(step[s]))
+            raise CollectorError(key, first_error(py, rules))
+        if np.count_nonzero(rows_mask[s, e, t, off : off + rows]):  # faster than any()
+            raise CollectorError(key, ErrorCode.DUPLICATE)
+        if info.cut is not None:  # an env half: its boundary rules, by what decides them
             cut = any(np.count_nonzero(leaves[i]) for i in info.cut)
-            rules += env_checks(py, self.plan, t, layout, needs_final=self.needs_final, cut=cut)
-        if self.plan.nonfinite == "reject" and info.finite:
-            finite = all(np.isfinite(np.asarray(leaves[i])).all() for i in info.finite)
-            rules.append((not finite, ErrorCode.NON_FINITE))
-        code = first_error(py, rules)
-        if code:
-            raise CollectorError(key, code)
+            at = (t == 0, t == plan.num_chunks - 1, cut)
+            code = info.boundary.get(at)
+            if code is None:
+                rules = env_checks(py, plan, t, layout, needs_final=self.needs_final, cut=cut)
+                code = info.boundary[at] = first_error(py, rules)
+            if code:
+                raise CollectorError(key, code)
+        if info.finite and plan.nonfinite == "reject":
+            for i in info.finite:
+                if not np.isfinite(leaves[i]).all():
+                    raise CollectorError(key, ErrorCode.NON_FINITE)
         return s, e, t, off, layout, leaves, treedef
 
     def many(

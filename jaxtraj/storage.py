@@ -46,6 +46,61 @@ def aligned_zeros(shape: tuple, dtype: Any) -> np.ndarray:
     return raw[start : start + n].view(dtype).reshape(shape)
 
 
+def to_device(tree: Any) -> Any:
+    """``jax.device_put(tree)`` for a tree of host arrays, at a tenth of its cost.
+
+    ``jax.device_put`` spends ~20-30 us of Python per array before XLA adopts it (zero
+    copy on the CPU backend when the memory is 64-byte aligned); a flush hands over
+    about twenty. Arrays whose dtype is canonical go to the default device through
+    XLA's batched transfer directly (~3 us each, same result: uncommitted, on
+    ``jax.local_devices()[0]``); anything else, or a JAX without that entry point, takes
+    ``jax.device_put``.
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    put = _fast_put()
+    if put is None:
+        return jax.device_put(tree)
+    return jax.tree.unflatten(treedef, [put(x) for x in leaves])
+
+
+@functools.cache
+def _fast_put_for(device: Any):
+    try:
+        from jax._src import core as jcore
+        from jax._src.lib import xla_client as xc
+    except ImportError:  # pragma: no cover - an internal module moved
+        return None
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    avals: dict = {}
+
+    def put(x: Any) -> Any:
+        if type(x) is not np.ndarray:
+            return jax.device_put(x)
+        key = (x.shape, x.dtype)
+        aval = avals.get(key)
+        if aval is None:
+            if jax.dtypes.canonicalize_dtype(x.dtype) != x.dtype:
+                return jax.device_put(x)  # e.g. int64 without x64: converted there
+            aval = avals[key] = jcore.ShapedArray(x.shape, x.dtype)
+        return xc.batched_device_put(aval, sharding, [x], [device], False)
+
+    try:  # the entry point is internal: check once that it does what device_put does
+        probe = np.arange(3, dtype=np.int32)
+        out, want = put(probe), jax.device_put(probe)
+        if not (isinstance(out, jax.Array) and out.sharding == want.sharding
+                and out.committed == want.committed and np.array_equal(out, probe)):
+            return None
+    except Exception:  # noqa: BLE001 - any failure: use the public path
+        return None
+    return put
+
+
+def _fast_put():
+    if jax.config.jax_default_device is not None:
+        return None
+    return _fast_put_for(jax.local_devices()[0])
+
+
 def _resent(storage: Any, mirror: Any, mode: Any, part: Any) -> bool:
     """Whether every row of ``part`` arrived already with exactly this data (a half
     re-sent after a worker restart); the boundary fields only some halves carry are
@@ -246,7 +301,7 @@ class HostStorage:
     def device_state(self, i: int, mirror: Any) -> CollectorState:
         """State ``i`` on its devices: the staging buffers (zero-copy on the CPU backend)
         with a copy of the coverage the mirror records for its sources."""
-        return self._place(jax.device_put(self.state(i, mirror)))
+        return self._place(to_device(self.state(i, mirror)))
 
     def state(self, i: int, mirror: Any) -> CollectorState:
         """State ``i`` as host arrays: views of the staging buffers (no copy), and a copy of
