@@ -156,6 +156,45 @@ def test_async_matches_sync_reference_with_shuffled_delayed_arrivals():
     assert max(runner.max_qsize.values()) <= 4
 
 
+def test_jitter_is_a_transport_delay_parts_overtake_and_producers_do_not_wait():
+    """``jitter_s`` holds each part back at the consumer until it is due: parts of one
+    producer arrive out of their publication order, the result is the reference's, and
+    publishing a part does not wait for its delay."""
+    ref = sync_reference(1)
+    published, arrived, waited = [], [], []
+    runner = AsyncRunner(make_collector(), [PointEnv(r) for r in range(RANKS)], policy_fn,
+                         PARAMS, num_steps=1, seed=SEED, jitter_s=0.05)
+    publish, consume = runner._publish, runner._consumer.__class__.consume
+
+    def logged_publish(worker, part, rand):
+        published.append((worker, part.source.key.as_tuple(), type(part).__name__))
+        t0 = time.perf_counter()
+        publish(worker, part, rand)
+        waited.append(time.perf_counter() - t0)
+
+    def logged_consume(consumer, worker, part):
+        arrived.append((worker, part.source.key.as_tuple(), type(part).__name__))
+        consume(consumer, worker, part)
+
+    runner._publish = logged_publish
+    cls = runner._consumer.__class__
+    cls.consume = logged_consume
+    try:
+        items = runner.run()
+    finally:
+        cls.consume = consume
+    assert sorted(arrived) == sorted(published) and len(arrived) == 2 * RANKS * E * T
+    got = {(int(tr.step_id), int(tr.env_rank)): tr for _, tr in items}
+    assert sorted(got) == sorted(ref)
+    for k in ref:
+        assert_same(got[k], ref[k])
+    by_worker = lambda log, w: [k for x, k, _ in log if x == w]
+    overtaken = [w for w, _, _ in published if by_worker(arrived, w) != by_worker(published, w)]
+    assert overtaken, "no part overtook an earlier one of its producer"
+    # Sleeping producers would spend ~25 ms a part publishing, ~0.6 s over the 24 parts.
+    assert sum(waited) < 0.1, sum(waited)
+
+
 def test_policy_update_mid_collection_shows_in_versions():
     seen = []
 

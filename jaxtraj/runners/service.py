@@ -104,7 +104,12 @@ _fold_keys = jax.jit(jax.vmap(_fold_key, in_axes=(None, 0)))
 def key_rngs(seed: int, keys: Sequence[TrajectoryKey]) -> dict[tuple, np.ndarray]:
     """:func:`key_rng` of many keys in one device call, as host arrays by key tuple."""
     fields = np.asarray([[int(v) for v in k.fields()] for k in keys], np.int32).reshape(-1, 5)
-    rngs = np.asarray(_fold_keys(np.int32(seed), fields))
+    # Padded to a power of two: runs of different lengths share a few compiled shapes
+    # (a compile costs ~0.3 s, more than a short run's collection).
+    n = len(fields)
+    padded = np.zeros((max(64, 1 << max(n - 1, 0).bit_length()), 5), np.int32)
+    padded[:n] = fields
+    rngs = np.asarray(_fold_keys(np.int32(seed), padded))[:n]
     return {tuple(f): r for f, r in zip(fields.tolist(), rngs)}
 
 

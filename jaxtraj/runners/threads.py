@@ -10,7 +10,8 @@ Threads and queues::
 The consumer is the thread that calls :meth:`AsyncRunner.run`: it is the only thread
 that touches the collector (the facade is not thread-safe). Parts reach it out of
 order: the two halves of a chunk come from two producers, and ``jitter_s`` delays
-each publication by a random amount.
+each part's arrival by a random amount (a transport delay: the part is held back at
+the consumer until it is due, in due order; its producer does not wait).
 
 Every blocking ``put``/``get`` polls a stop event, so a failing worker stops all the
 others within ~50 ms. The first failure wins: :meth:`run` drains the parts already
@@ -32,6 +33,7 @@ randomness, env halves, version stamping, the consumer) lives in
 
 from __future__ import annotations
 
+import heapq
 import queue
 import random
 import threading
@@ -84,8 +86,10 @@ class AsyncRunner:
       on_flush: ``on_flush(queue_key, item)`` called for each flushed item; else
         ``output_queue.put((queue_key, item))``; else :meth:`run` returns the items.
       queue_size: bound of the request and parts queues.
-      jitter_s: each producer sleeps ``uniform(0, jitter_s)`` before publishing a part
-        (simulated transport delays; seeded by ``seed``).
+      jitter_s: each part arrives ``uniform(0, jitter_s)`` after it is published
+        (simulated transport delays, seeded by ``seed``): the consumer holds it back until
+        it is due and takes parts in due order, so later parts overtake earlier ones,
+        from the same producer too; the producers never wait for it.
 
     Example::
 
@@ -198,13 +202,29 @@ class AsyncRunner:
             )
         )
         received = 0
+        self._held = held = []  # parts in transit: (due, order, worker, part), a heap
+        order = 0
         try:
             for t in self._threads:
                 t.start()
             while received < total and self._failure is None:
+                if held:
+                    now = time.monotonic()
+                    if held[0][0] <= now:  # the next part is due: it arrives
+                        _, _, worker, part = heapq.heappop(held)
+                        received += 1
+                        consumer.consume(worker, part)
+                        continue
+                    wait = min(held[0][0] - now, _POLL_S)
+                else:
+                    wait = _POLL_S
                 try:
-                    worker, part = self._parts.get(timeout=_POLL_S)
+                    due, worker, part = self._parts.get(timeout=wait)
                 except queue.Empty:
+                    continue
+                if due:
+                    heapq.heappush(held, (due, order, worker, part))
+                    order += 1
                     continue
                 received += 1
                 consumer.consume(worker, part)
@@ -263,9 +283,8 @@ class AsyncRunner:
         raise _Stopped
 
     def _publish(self, worker: str, part: Any, rand: random.Random) -> None:
-        if self.jitter_s:
-            time.sleep(rand.uniform(0.0, self.jitter_s))
-        self._put(self._parts, (worker, part), "parts")
+        due = time.monotonic() + rand.uniform(0.0, self.jitter_s) if self.jitter_s else 0.0
+        self._put(self._parts, (due, worker, part), "parts")
 
     def _check(self, part: Any, key: TrajectoryKey) -> None:
         """Structure check of a half in its producer's thread (cached by signature)."""
@@ -335,12 +354,17 @@ class AsyncRunner:
     # -- consumer --------------------------------------------------------------------
 
     def _drain(self) -> None:
-        """After a failure: insert the parts healthy workers already published."""
+        """After a failure: insert the parts healthy workers already published (those in
+        transit first, in due order)."""
+        held = sorted(getattr(self, "_held", []))
+        self._held = []
         while True:
             try:
-                worker, part = self._parts.get_nowait()
+                _, worker, part = self._parts.get_nowait()
+                held.append((0.0, len(held), worker, part))
             except queue.Empty:
-                return
+                break
+        for _, _, worker, part in held:
             try:
                 self._consumer.consume(worker, part)
             except Exception:  # the first failure is the one reported
