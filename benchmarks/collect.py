@@ -408,10 +408,23 @@ def memory(parts, plan):
     return {"parts_bytes": nbytes(parts), "state_bytes_off": size(off), "state_bytes_on": size(on)}
 
 
+def cpu_model():
+    """The CPU's model name (Linux: ``/proc/cpuinfo``), or ``None``."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
 def machine():
     return {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
+        "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
         "python": platform.python_version(),
         "jax": jax.__version__,
@@ -525,7 +538,7 @@ def main():
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
     m = report["machine"]
-    print(f"\nmachine: {m['processor']}, {m['cpu_count']} cpus, jax {m['jax']} on {m['backend']}")
+    print(f"\nmachine: {m['cpu_model'] or m['processor']}, {m['cpu_count']} cpus, jax {m['jax']} on {m['backend']}")
     tiny = report["tiny_parts"]
     for name in ("list", "stacked"):
         r = tiny[name]

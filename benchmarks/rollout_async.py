@@ -2,10 +2,16 @@
 
 Tiny parts (B = 2 environments, 1 action of 1 dimension, 2 floats of observation) so
 the runner's own cost dominates: env workers and a policy worker in threads publish
-100,000 halves (``--quick``: 10,000) with random delays before every publication; one
-consumer feeds the collector. Checks that no half is lost (every flushed trajectory is
-counted, and its observations carry the expected chunk counter) and that memory stays
-bounded (peak RSS, max queue sizes).
+100,000 halves (``--quick``: 10,000), each delayed by a random transport delay of up to
+``--jitter-us`` (the runner's ``jitter_s``: a part reaches the consumer that long after
+its publication, in due order; producers do not wait); one consumer feeds the
+collector. Checks that no half is lost (every flushed trajectory is counted, and its
+observations carry the expected chunk counter) and that memory stays bounded (peak RSS,
+max queue sizes).
+
+Until this delay model (sessions before 2026-12-01) each producer slept before it
+published, which serialised the policy worker's publications: figures from then and
+now are not comparable.
 
     python benchmarks/rollout_async.py [--quick] [--halves N] [--ranks 4] [--jitter-us 200]
 """

@@ -60,18 +60,20 @@ def to_device(tree: Any) -> Any:
     put = _fast_put()
     if put is None:
         return jax.device_put(tree)
-    return jax.tree.unflatten(treedef, [put(x) for x in leaves])
+    return jax.tree.unflatten(treedef, put(leaves))
 
 
 @functools.cache
-def _fast_put_for(device: Any):
+def _fast_put_for(device: Any, x64: bool):
     try:
         from jax._src import core as jcore
+        from jax._src.config import explicit_device_put_scope
         from jax._src.lib import xla_client as xc
     except ImportError:  # pragma: no cover - an internal module moved
         return None
     sharding = jax.sharding.SingleDeviceSharding(device)
     avals: dict = {}
+    float0 = jax.dtypes.float0
 
     def put(x: Any) -> Any:
         if type(x) is not np.ndarray:
@@ -79,26 +81,33 @@ def _fast_put_for(device: Any):
         key = (x.shape, x.dtype)
         aval = avals.get(key)
         if aval is None:
-            if jax.dtypes.canonicalize_dtype(x.dtype) != x.dtype:
+            dtype = x.dtype
+            if (not dtype.isnative or dtype == float0
+                    or jax.dtypes.canonicalize_dtype(dtype) != dtype):
                 return jax.device_put(x)  # e.g. int64 without x64: converted there
-            aval = avals[key] = jcore.ShapedArray(x.shape, x.dtype)
+            aval = avals[key] = jcore.ShapedArray(x.shape, dtype)
         return xc.batched_device_put(aval, sharding, [x], [device], False)
+
+    def put_all(leaves: list) -> list:
+        # An explicit transfer, as jax.device_put's is (a transfer guard allows it).
+        with explicit_device_put_scope():
+            return [put(x) for x in leaves]
 
     try:  # the entry point is internal: check once that it does what device_put does
         probe = np.arange(3, dtype=np.int32)
-        out, want = put(probe), jax.device_put(probe)
+        (out,), want = put_all([probe]), jax.device_put(probe)
         if not (isinstance(out, jax.Array) and out.sharding == want.sharding
                 and out.committed == want.committed and np.array_equal(out, probe)):
             return None
     except Exception:  # noqa: BLE001 - any failure: use the public path
         return None
-    return put
+    return put_all
 
 
 def _fast_put():
     if jax.config.jax_default_device is not None:
         return None
-    return _fast_put_for(jax.local_devices()[0])
+    return _fast_put_for(jax.local_devices()[0], bool(jax.config.jax_enable_x64))
 
 
 def _resent(storage: Any, mirror: Any, mode: Any, part: Any) -> bool:

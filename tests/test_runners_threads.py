@@ -163,7 +163,7 @@ def test_jitter_is_a_transport_delay_parts_overtake_and_producers_do_not_wait():
     ref = sync_reference(1)
     published, arrived, waited = [], [], []
     runner = AsyncRunner(make_collector(), [PointEnv(r) for r in range(RANKS)], policy_fn,
-                         PARAMS, num_steps=1, seed=SEED, jitter_s=0.05)
+                         PARAMS, num_steps=1, seed=SEED, jitter_s=0.2)
     publish, consume = runner._publish, runner._consumer.__class__.consume
 
     def logged_publish(worker, part, rand):
@@ -177,8 +177,8 @@ def test_jitter_is_a_transport_delay_parts_overtake_and_producers_do_not_wait():
         consume(consumer, worker, part)
 
     runner._publish = logged_publish
-    cls = runner._consumer.__class__
-    cls.consume = logged_consume
+    cls = runner._consumer.__class__  # run() makes its own consumer: patched on the class
+    cls.consume = logged_consume  # (one step: no part is held back and consumed twice)
     try:
         items = runner.run()
     finally:
@@ -191,8 +191,8 @@ def test_jitter_is_a_transport_delay_parts_overtake_and_producers_do_not_wait():
     by_worker = lambda log, w: [k for x, k, _ in log if x == w]
     overtaken = [w for w, _, _ in published if by_worker(arrived, w) != by_worker(published, w)]
     assert overtaken, "no part overtook an earlier one of its producer"
-    # Sleeping producers would spend ~25 ms a part publishing, ~0.6 s over the 24 parts.
-    assert sum(waited) < 0.1, sum(waited)
+    # Sleeping producers would spend ~100 ms a part publishing, ~2.4 s over the 24 parts.
+    assert sum(waited) < 0.6, sum(waited)
 
 
 def test_policy_update_mid_collection_shows_in_versions():

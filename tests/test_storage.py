@@ -49,6 +49,14 @@ def test_to_device_is_device_put():
         np.testing.assert_array_equal(g, w)
     if jax.default_backend() == "cpu":
         assert got["a"].unsafe_buffer_pointer() == tree["a"].ctypes.data
+    # An explicit transfer, as device_put's: allowed under a guard that forbids implicit ones.
+    with jax.transfer_guard("disallow"):
+        np.testing.assert_array_equal(storage.to_device(tree)["a"], aligned)
+    # Canonical dtypes follow x64 as it is switched (int64 stays int64 only with x64 on).
+    ints = np.arange(3, dtype=np.int64)
+    with jax.enable_x64(True):
+        assert storage.to_device(ints).dtype == jax.device_put(ints).dtype == np.int64
+    assert storage.to_device(ints).dtype == jax.device_put(ints).dtype == np.int32
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="zero-copy adoption is the CPU client's")
