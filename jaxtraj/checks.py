@@ -358,6 +358,7 @@ class HostChecks:
         self.index = {(int(r), int(s)): i for i, (r, s) in enumerate(sources)}
         self.needs_final = layout.policy.output.prev_values is not None
         self._seen: dict[Any, Signature] = {}
+        self._key_dtypes: set = set()  # stacked keys' dtype combinations found integral
 
     def signature(
         self, part: Any, leaves: list, treedef: Any, stacked: bool = False, key: Any = None
@@ -486,9 +487,14 @@ class HostChecks:
                 f"a stacked part needs one leading axis N on its keys and payload leaves, "
                 f"got {sorted(sizes)}",
             )
-        keys = np.stack([np.asarray(v) for v in part.source.key.fields()], axis=1)
+        fields = [np.asarray(v) for v in part.source.key.fields()]
+        keys = np.stack(fields, axis=1)
         layout = self.structure(part, True, None)
-        check_key_dtypes(jax.tree.map(lambda x: np.asarray(x).reshape(-1)[0], part.source))
+        src = part.source
+        key_dtypes = (*[f.dtype for f in fields], *map(_dtype_of, (src.batch_size, src.offset)))
+        if key_dtypes not in self._key_dtypes:  # checked once per combination of dtypes
+            check_key_dtypes(jax.tree.map(lambda x: np.asarray(x).reshape(-1)[0], src))
+            self._key_dtypes.add(key_dtypes)
         keys = keys.astype(np.int64)
         n, rows = keys.shape[0], layout.rows
         bs = np.broadcast_to(np.asarray(part.source.batch_size, np.int64), (n,))
@@ -497,9 +503,17 @@ class HostChecks:
             self.sources[None, :, 1] == keys[:, 3:4]
         )
         found, s = match.any(axis=1), match.argmax(axis=1)
-        source = TrajectorySource(TrajectoryKey(*keys.T), bs, off)
-        rules = key_checks(np, self.plan, source, rows, found, step[s])
-        valid = first_error(np, rules) == 0
+        # Every key rule at once; the rules in their priority order only when one fails.
+        plan = self.plan
+        e, t = keys[:, 1], keys[:, 4]
+        valid = (found & (e >= 0) & (e < plan.num_epochs) & (t >= 0) & (t < plan.num_chunks)
+                 & (keys[:, 0] == step[s]) & (bs == plan.batch_size) & (off >= 0)
+                 & (off + rows <= plan.batch_size))
+        rules = []
+        if not valid.all():
+            source = TrajectorySource(TrajectoryKey(*keys.T), bs, off)
+            rules = key_checks(np, plan, source, rows, found, step[s])
+            valid = first_error(np, rules) == 0
         e, t = np.where(valid, keys[:, 1], 0), np.where(valid, keys[:, 4], 0)
         o = np.where(valid, off, 0)
         # Flat indices of every row into the (contiguous) coverage mask.
@@ -510,9 +524,11 @@ class HostChecks:
         mask = rows_mask.reshape(-1)  # a view
         dup = mask[flat].any(axis=1)
         # Rows repeated within the stack: every occurrence after the first is a duplicate.
-        # A sort finds whether there are any; only then does np.unique say which.
-        ordered = np.sort(flat[valid], axis=None)
-        if ordered.size > 1 and (ordered[1:] == ordered[:-1]).any():
+        # Every part covers `rows` consecutive places, so two overlap exactly when their
+        # first places, sorted, are closer than `rows`: a sort of N finds whether any do;
+        # only then does np.unique say which.
+        starts = np.sort(flat[valid, 0]) if rows else np.zeros(0, np.int64)
+        if starts.size > 1 and (np.diff(starts) < rows).any():
             ids = np.where(valid[:, None], flat, -1 - np.arange(n)[:, None])
             _, first = np.unique(ids.ravel(), return_index=True)
             seen_first = np.zeros(ids.size, bool)
@@ -529,9 +545,9 @@ class HostChecks:
             for x in finite_leaves(part):
                 finite &= np.isfinite(np.asarray(x)).reshape(n, -1).all(axis=1)
             rules.append((~finite, ErrorCode.NON_FINITE))
-        code = first_error(np, rules)
-        bad = np.flatnonzero(code)
-        if bad.size:
+        if any(np.any(bad) for bad, _ in rules):
+            code = first_error(np, rules)
+            bad = np.flatnonzero(code)
             i = bad[0]
             where = f"part {i} of its group" if places is None else f"part {places[i]} of"
             raise CollectorError(keys[i], code[i], f"{where} the batch")
@@ -540,6 +556,10 @@ class HostChecks:
 
 
 _FIELDS = ("step_id", "epoch_id", "env_rank", "stage_id", "chunk_id")
+
+
+def _dtype_of(v: Any) -> Any:
+    return v.dtype if hasattr(v, "dtype") else type(v)
 _INTS = (int,) * 7
 
 

@@ -242,7 +242,7 @@ class TrajectoryCollector:
             per_part.append(np.stack([s_of, e, np.full(s_of.shape, layout.rows)], axis=1))
         s, e, n = np.concatenate(per_part).T
         self.mirror.take(rows, s, e, n)
-        self.mirror.last_seen[np.unique(s)] = time.monotonic()
+        self.mirror.last_seen[s] = time.monotonic()
         return self._flush_complete()
 
     # -- scopes and flushes ---------------------------------------------------------------

@@ -39,7 +39,8 @@ class Mirror:
         """Take the coverage ``rows`` a batch's checks marked (a copy of :attr:`rows`) and
         count ``n[i]`` rows received at each ``(s[i], e[i])``."""
         self.rows = rows
-        np.add.at(self.received, (s, e), n)
+        S, E = self.received.shape
+        self.received += np.bincount(s * E + e, n, S * E).astype(np.int64).reshape(S, E)
 
     def recount(self) -> None:
         self.received = sum(r.sum(axis=(2, 3)) for r in self.rows.values())

@@ -176,6 +176,8 @@ def _insert_stack(storage: Any, mode: Any, group: Any, owners: np.ndarray, layou
     for pick in mode.split(owners):
         whole = isinstance(pick, slice) or pick.all()
         sub = group if whole else jax.tree.map(lambda x, p=pick: np.asarray(x)[p], group)
+        if whole:
+            pick = slice(None)  # no copies of the index arrays
         i, at = mode.slot(owners[pick], e[pick], t[pick], off[pick])
         leaves, treedef = jax.tree.flatten(sub)
         storage.insert_many(i, at, leaves, treedef, layout)
