@@ -22,12 +22,14 @@ from jaxtraj import checks, modes, state
 from jaxtraj.errors import CollectorError, ErrorCode
 from jaxtraj.mirror import Mirror
 from jaxtraj.plan import TrajectoryPlan
-from jaxtraj.storage import small_part, storage_for
-from jaxtraj.types import EnvPart, PolicyPart, stack_parts, stack_parts_indexed
+from jaxtraj.storage import storage_for
+from jaxtraj.types import EnvPart, PolicyPart, group_parts, stack_group, stack_parts
 
 Items = list[tuple[str, Any]]
 
 _STACK_AT_LEAST = 32  # small parts in one add_many call worth stacking (measured)
+_SMALL_PART_BYTES = 64 << 10  # a part under this is small: stacking it costs less than
+# checking it on its own
 
 
 class TrajectoryCollector:
@@ -205,16 +207,17 @@ class TrajectoryCollector:
             return self._add_stacked(stack_parts(parts))
         # Many small parts are stacked (a second copy of a few KiB costs less than checking
         # each on its own; the stacked checks cost ~0.3 ms a group, so only for many);
-        # large ones are checked and copied one by one (no second copy).
-        small = [small_part(p) for p in parts]
-        if sum(small) < _STACK_AT_LEAST:
-            small = [False] * len(parts)
-        large = [n for n, sm in enumerate(small) if not sm]
-        stacked = [n for n, sm in enumerate(small) if sm]
-        indexed = stack_parts_indexed([parts[n] for n in stacked])
-        groups = [g for g, _ in indexed]
-        group_places = [[stacked[i] for i in where] for _, where in indexed]
-        return self._add_stacked(groups, [parts[n] for n in large], large, group_places)
+        # large ones are checked and copied one by one (no second copy). Parts of one group
+        # share shapes and dtypes, so one part's size is the group's.
+        groups = group_parts(parts)
+        small = [g.nbytes < _SMALL_PART_BYTES for g, _ in groups]
+        if sum(len(places) for (_, places), sm in zip(groups, small) if sm) < _STACK_AT_LEAST:
+            small = [False] * len(groups)
+        large = sorted(n for (_, places), sm in zip(groups, small) if not sm for n in places)
+        stacked = [(stack_group(g), places) for (g, places), sm in zip(groups, small) if sm]
+        return self._add_stacked(
+            [g for g, _ in stacked], [parts[n] for n in large], large, [p for _, p in stacked]
+        )
 
     def _add_stacked(
         self, groups: list, large: list = (), places: list | None = None,

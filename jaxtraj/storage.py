@@ -153,18 +153,11 @@ def storage_for(kind, plan, policy_example, env_example, mode, sources, step_id)
     raise ValueError(f"storage must be 'auto', 'host' or 'device', got {kind!r}")
 
 
-_SMALL_PART_BYTES = 64 << 10
 
 #: Handed-out staging buffers a host storage keeps per state to reuse once their
 #: trajectories are dropped: beyond the step being collected, at most this many steps'
 #: buffers stay allocated.
 SPARES = 2
-
-
-def small_part(part: Any) -> bool:
-    """Whether a part is small enough that stacking a batch of them (a second copy of a
-    few KiB) costs less than checking each one on its own."""
-    return sum(getattr(x, "nbytes", 8) for x in jax.tree.leaves(part)) < _SMALL_PART_BYTES
 
 
 def _insert_stack(storage: Any, mode: Any, group: Any, owners: np.ndarray, layout: Any) -> None:

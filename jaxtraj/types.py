@@ -17,7 +17,7 @@ part or to a whole buffer ``[E, T, B, ...]`` alike.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -401,7 +401,8 @@ class EnvPart(_Fragmentable):
 
 
 def stack_parts(parts: Iterable[PolicyPart | EnvPart]) -> list[PolicyPart | EnvPart]:
-    """Group parts by kind, structure and shape, and stack each group on the host.
+    """Group parts by kind, structure, shapes and dtypes, and stack each group on the host
+    (no dtype is widened to another part's).
 
     Returns one stacked part per group (a leading axis on every leaf, keys included),
     in order of first appearance: what :meth:`TrajectoryCollector.add_many` and the
@@ -412,25 +413,55 @@ def stack_parts(parts: Iterable[PolicyPart | EnvPart]) -> list[PolicyPart | EnvP
 
 def stack_parts_indexed(parts: Iterable[PolicyPart | EnvPart]) -> list[tuple[Any, list[int]]]:
     """:func:`stack_parts`, each group with the places its parts had in ``parts``."""
-    by_sig: dict[Any, tuple[list, list]] = {}
+    return [(stack_group(g), places) for g, places in group_parts(parts)]
+
+
+class PartGroup(NamedTuple):
+    """Parts of one structure, shapes and dtypes, flattened: ``leaves[i]`` is part ``i``'s."""
+
+    treedef: Any
+    leaves: list
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of one part (a scalar leaf counts 8)."""
+        return sum(getattr(x, "nbytes", 8) for x in self.leaves[0])
+
+
+def group_parts(parts: Iterable[PolicyPart | EnvPart]) -> list[tuple[PartGroup, list[int]]]:
+    """Group parts by kind, structure, shapes and dtypes (each flattened once), in order of
+    first appearance, each group with the places its parts had in ``parts``."""
+    by_sig: dict[Any, tuple[PartGroup, list]] = {}
     for n, part in enumerate(parts):
         if not isinstance(part, (PolicyPart, EnvPart)):
             raise CollectorError(None, ErrorCode.STRUCTURE_MISMATCH, f"not a part: {type(part)}")
         leaves, treedef = jax.tree.flatten(part)
-        sig = (treedef, tuple([getattr(x, "shape", ()) for x in leaves]))  # hot: no np.shape
-        group, places = by_sig.setdefault(sig, ([], []))
-        group.append(leaves)
-        places.append(n)
-    return [
-        (jax.tree.unflatten(treedef, [_stack(xs) for xs in zip(*group)]), places)
-        for (treedef, _), (group, places) in by_sig.items()
-    ]
+        # Shapes and dtypes (hot: no np.shape): parts of one group share both, so stacking
+        # never widens a dtype (a float16 part among float32 ones stays float16, and is
+        # refused as it would be alone).
+        sig = (treedef, *[(getattr(x, "shape", ()), getattr(x, "dtype", type(x))) for x in leaves])
+        found = by_sig.get(sig)
+        if found is None:
+            found = by_sig[sig] = (PartGroup(treedef, []), [])
+        found[0].leaves.append(leaves)
+        found[1].append(n)
+    return list(by_sig.values())
+
+
+def stack_group(group: PartGroup) -> PolicyPart | EnvPart:
+    """One stacked part (a leading axis on every leaf) of a :class:`PartGroup`."""
+    return jax.tree.unflatten(group.treedef, [_stack(xs) for xs in zip(*group.leaves)])
 
 
 def _stack(xs: tuple) -> np.ndarray:
-    """``np.stack(xs)``; scalars (the keys' Python ints) by ``np.array``, which gives the
-    same array several times faster."""
-    return np.stack(xs) if isinstance(xs[0], np.ndarray) else np.array(xs)
+    """``np.stack(xs)`` of arrays of one shape and dtype: by ``np.concatenate`` (~4x faster
+    for many small arrays); scalars (the keys' Python ints) by ``np.array``."""
+    x = xs[0]
+    if not isinstance(x, np.ndarray):
+        return np.array(xs)
+    if not x.ndim:
+        return np.stack(xs)
+    return np.concatenate(xs).reshape((len(xs), *x.shape))
 
 
 @struct.dataclass

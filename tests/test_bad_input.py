@@ -316,3 +316,26 @@ def test_add_many_rejects_rows_repeated_within_the_batch(name, batch, stacked, m
     out = c.add_many(rest)
     assert len(out) == 1
     assert_same(out[0][1], reference(step=STEP))
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["one by one", "stacked"])
+def test_add_many_refuses_a_narrower_dtype_among_right_ones(stacked, monkeypatch):
+    """A part whose rewards are float16 among float32 parts is refused in a batch as it is
+    alone (no dtype is cast): stacking the batch must not widen it to the others'."""
+    from jaxtraj import collector
+
+    monkeypatch.setattr(collector, "_STACK_AT_LEAST", 1 if stacked else 10**9)
+    c = jaxtraj.TrajectoryCollector(PLAN, policy_part(0), env_part(0), step_id=STEP)
+    before = snapshot(c.state)
+    right, v = env_part(1, 0, step=STEP), env_part(1, 1, step=STEP)
+    narrow = v.replace(transition=v.transition.replace(
+        rewards=np.asarray(v.transition.rewards, np.float16)))
+    assert jax.tree.structure(right) == jax.tree.structure(narrow)
+    with pytest.raises(CollectorError) as alone:
+        c.add(narrow)
+    assert alone.value.code == ErrorCode.STRUCTURE_MISMATCH
+    with pytest.raises(CollectorError) as info:
+        c.add_many([right, narrow])
+    assert info.value.code == ErrorCode.STRUCTURE_MISMATCH
+    assert "rewards" in str(info.value) and "float16" in str(info.value)
+    assert_same(snapshot(c.state), before)

@@ -86,10 +86,10 @@ def test_layout_is_shapes_only():
 def test_add_many_mixes_stacked_small_parts_and_large_parts(monkeypatch):
     """``add_many`` stacks many small parts and checks large ones one by one; both in
     one batch are still all or nothing, and the result is the reference."""
-    from jaxtraj import collector, storage
+    from jaxtraj import collector
 
     policy_bytes = sum(x.nbytes for x in jax.tree.leaves(policy_part(0).replace(source=None)))
-    monkeypatch.setattr(storage, "_SMALL_PART_BYTES", policy_bytes)  # policy halves: large
+    monkeypatch.setattr(collector, "_SMALL_PART_BYTES", policy_bytes)  # policy halves: large
     monkeypatch.setattr(collector, "_STACK_AT_LEAST", 1)
     c = jaxtraj.TrajectoryCollector(PLAN, policy_part(0), env_part(0))
     parts = all_parts(0)[::-1]
