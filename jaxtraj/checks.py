@@ -97,7 +97,14 @@ def check_payload(name: str, data: Any, buffer: Any, lead: int, key: Any = None)
     for path, x, b in zip(paths, d_leaves, b_leaves):
         shape = np.shape(x)
         want = tuple(b.shape[lead + 1 :])
-        dtype = np.dtype(x.dtype if hasattr(x, "dtype") else np.result_type(x))
+        try:
+            dtype = np.dtype(x.dtype if hasattr(x, "dtype") else np.result_type(x))
+        except TypeError:  # a string, an object: not an array of numbers
+            raise CollectorError(
+                key, ErrorCode.STRUCTURE_MISMATCH,
+                f"{name}{path}: not an array of numbers ({type(x).__name__}), plan has "
+                f"[rows, *{list(want)}] dtype {b.dtype}",
+            ) from None
         if len(shape) < 1 or tuple(shape[1:]) != want or dtype != b.dtype:
             raise CollectorError(
                 key,
@@ -246,7 +253,7 @@ def key_checks(
         (key.step_id < step, ErrorCode.STALE_STEP),
         (key.step_id > step, ErrorCode.FUTURE_STEP),
         (source.batch_size != plan.batch_size, ErrorCode.BATCH_SIZE_MISMATCH),
-        ((offset < 0) | (offset + rows > plan.batch_size), ErrorCode.ROWS_OUT_OF_RANGE),
+        ((offset < 0) | (offset > plan.batch_size - rows), ErrorCode.ROWS_OUT_OF_RANGE),
     ]
 
 
@@ -358,7 +365,6 @@ class HostChecks:
         self.index = {(int(r), int(s)): i for i, (r, s) in enumerate(sources)}
         self.needs_final = layout.policy.output.prev_values is not None
         self._seen: dict[Any, Signature] = {}
-        self._key_dtypes: set = set()  # stacked keys' dtype combinations found integral
 
     def signature(
         self, part: Any, leaves: list, treedef: Any, stacked: bool = False, key: Any = None
@@ -367,16 +373,19 @@ class HostChecks:
         try:  # hot: the source's seven scalars by type, the payload's arrays by shape and dtype
             sig = (treedef, stacked, *map(type, leaves[:7]), *[(x.shape, x.dtype) for x in leaves[7:]])
         except AttributeError:  # a payload leaf that is not an array: the slow, general path
-            sig = (treedef, stacked, *[(np.shape(x), np.result_type(x)) for x in leaves])
+            try:
+                sig = (treedef, stacked, *[(np.shape(x), np.result_type(x)) for x in leaves])
+            except TypeError:  # not numbers at all: the structure check says which leaf
+                sig = None
         found = self._seen.get(sig)
         if found is None:
             if not isinstance(part, (PolicyPart, EnvPart)):
                 raise CollectorError(key, ErrorCode.STRUCTURE_MISMATCH, f"not a part: {type(part)}")
             view = part
-            if stacked:  # check one element of the stack
-                view = jax.tree.map(
-                    lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], np.asarray(x).dtype), part
-                )
+            if stacked:  # check one element of the stack (a Python int is an integer,
+                # however large: the key rules judge its value)
+                dtype = lambda x: np.dtype(np.int64) if type(x) is int else np.asarray(x).dtype
+                view = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], dtype(x)), part)
             probe = jax.tree.unflatten(treedef, range(len(leaves)))  # leaves: their indices
             if isinstance(part, PolicyPart):
                 layout, cut = policy_structure(self.layout, view, key), None
@@ -385,7 +394,8 @@ class HostChecks:
                 flags = probe.transition.cut_flags(self.plan.truncation_bootstrap, _Pair)
                 cut = tuple(jax.tree.leaves(flags))
             found = Signature(layout, tuple(finite_leaves(probe)), cut, {})
-            self._seen[sig] = found
+            if sig is not None:
+                self._seen[sig] = found
         return found
 
     def structure(self, part: Any, stacked: bool = False, key: Any = None) -> Layout:
@@ -487,18 +497,22 @@ class HostChecks:
                 f"a stacked part needs one leading axis N on its keys and payload leaves, "
                 f"got {sorted(sizes)}",
             )
-        fields = [np.asarray(v) for v in part.source.key.fields()]
-        keys = np.stack(fields, axis=1)
-        layout = self.structure(part, True, None)
         src = part.source
-        key_dtypes = (*[f.dtype for f in fields], *map(_dtype_of, (src.batch_size, src.offset)))
-        if key_dtypes not in self._key_dtypes:  # checked once per combination of dtypes
-            check_key_dtypes(jax.tree.map(lambda x: np.asarray(x).reshape(-1)[0], src))
-            self._key_dtypes.add(key_dtypes)
-        keys = keys.astype(np.int64)
+        first = f"part {0 if places is None else places[0]} of the batch"
+        # Integer keys, by dtype (an object or float array is refused whatever it holds), as
+        # int64 (uint64 beyond int64 clipped: still out of range, as the value is).
+        ints = [_int64s(v, name, first) for name, v in zip(
+            (*_FIELDS, "batch_size", "offset"), (*src.key.fields(), src.batch_size, src.offset))]
+        keys = np.stack(ints[:5], axis=1)
+        try:
+            layout = self.structure(part, True, None)
+        except CollectorError as err:  # the stack shares its structure: name its first part
+            key = tuple(int(k) for k in keys[0]) if len(keys) else None
+            raise CollectorError(key, err.code, f"{err.detail}; {first}") from None
         n, rows = keys.shape[0], layout.rows
-        bs = np.broadcast_to(np.asarray(part.source.batch_size, np.int64), (n,))
-        off = np.broadcast_to(np.asarray(part.source.offset, np.int64), (n,))
+        if not n:
+            return np.zeros((0,), np.int64)  # an empty stack: nothing to insert
+        bs, off = np.broadcast_to(ints[5], (n,)), np.broadcast_to(ints[6], (n,))
         match = (self.sources[None, :, 0] == keys[:, 2:3]) & (
             self.sources[None, :, 1] == keys[:, 3:4]
         )
@@ -508,7 +522,7 @@ class HostChecks:
         e, t = keys[:, 1], keys[:, 4]
         valid = (found & (e >= 0) & (e < plan.num_epochs) & (t >= 0) & (t < plan.num_chunks)
                  & (keys[:, 0] == step[s]) & (bs == plan.batch_size) & (off >= 0)
-                 & (off + rows <= plan.batch_size))
+                 & (off <= plan.batch_size - rows))
         rules = []
         if not valid.all():
             source = TrajectorySource(TrajectoryKey(*keys.T), bs, off)
@@ -549,8 +563,8 @@ class HostChecks:
             code = first_error(np, rules)
             bad = np.flatnonzero(code)
             i = bad[0]
-            where = f"part {i} of its group" if places is None else f"part {places[i]} of"
-            raise CollectorError(keys[i], code[i], f"{where} the batch")
+            where = f"part {i} of its group" if places is None else f"part {places[i]} of the batch"
+            raise CollectorError(keys[i], code[i], where)
         mask[flat] = True
         return s
 
@@ -558,8 +572,22 @@ class HostChecks:
 _FIELDS = ("step_id", "epoch_id", "env_rank", "stage_id", "chunk_id")
 
 
-def _dtype_of(v: Any) -> Any:
-    return v.dtype if hasattr(v, "dtype") else type(v)
+_INT64 = np.iinfo(np.int64)
+
+
+def _int64s(v: Any, name: str, where: str) -> np.ndarray:
+    """A stack's key field as int64; anything but integers raises, naming the field."""
+    if isinstance(v, int) and not isinstance(v, bool):  # a Python int (batch_size, offset)
+        return np.asarray(min(max(v, _INT64.min), _INT64.max), np.int64)
+    a = np.asarray(v)
+    if a.dtype.kind not in "iu":
+        raise CollectorError(
+            None, ErrorCode.STRUCTURE_MISMATCH,
+            f"source.{name} must be an integer, got dtype {a.dtype}; {where}",
+        )
+    if a.dtype == np.uint64:
+        a = np.minimum(a, np.uint64(_INT64.max))
+    return a.astype(np.int64, copy=False)
 _INTS = (int,) * 7
 
 

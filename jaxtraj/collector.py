@@ -241,7 +241,7 @@ class TrajectoryCollector:
         # Everything is in: record it (rows received per source and epoch, per part).
         per_part = [np.array([(c[0], c[1], c[4].rows) for c in checked], np.int64).reshape(-1, 3)]
         for group, s_of, layout in zip(groups, owners, layouts):
-            e = np.broadcast_to(np.asarray(group.source.key.epoch_id), s_of.shape)
+            e = np.broadcast_to(np.asarray(group.source.key.epoch_id, np.int64), s_of.shape)
             per_part.append(np.stack([s_of, e, np.full(s_of.shape, layout.rows)], axis=1))
         s, e, n = np.concatenate(per_part).T
         self.mirror.take(rows, s, e, n)

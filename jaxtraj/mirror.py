@@ -38,9 +38,10 @@ class Mirror:
     def take(self, rows: dict, s: np.ndarray, e: np.ndarray, n: np.ndarray) -> None:
         """Take the coverage ``rows`` a batch's checks marked (a copy of :attr:`rows`) and
         count ``n[i]`` rows received at each ``(s[i], e[i])``."""
-        self.rows = rows
         S, E = self.received.shape
-        self.received += np.bincount(s * E + e, n, S * E).astype(np.int64).reshape(S, E)
+        counts = np.bincount(s * E + e, n, S * E).astype(np.int64).reshape(S, E)
+        self.rows = rows
+        self.received += counts
 
     def recount(self) -> None:
         self.received = sum(r.sum(axis=(2, 3)) for r in self.rows.values())

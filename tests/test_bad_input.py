@@ -339,3 +339,94 @@ def test_add_many_refuses_a_narrower_dtype_among_right_ones(stacked, monkeypatch
     assert info.value.code == ErrorCode.STRUCTURE_MISMATCH
     assert "rewards" in str(info.value) and "float16" in str(info.value)
     assert_same(snapshot(c.state), before)
+
+
+def _stacked_env_parts():
+    """Two whole env halves of one structure (chunk 1 of both epochs), stacked."""
+    (group,) = jaxtraj.stack_parts([env_part(1, 0, step=STEP), env_part(1, 1, step=STEP)])
+    return group
+
+
+def _with_keys(group, **fields):
+    return group.replace(source=group.source.replace(key=group.source.key.replace(**fields)))
+
+
+def _fresh():
+    return jaxtraj.TrajectoryCollector(PLAN, policy_part(0), env_part(0), step_id=STEP)
+
+
+@pytest.mark.parametrize("values", [[STEP, STEP], [0.7, 0.2], [STEP, 0.5]], ids=str)
+def test_a_stack_with_keys_of_object_dtype_is_refused_whatever_they_hold(values):
+    """Key fields of a stack must be integer arrays: an object array is refused even when
+    its first value is an integer (a stack of integer keys checked before must not make
+    later ones pass), and nothing is truncated or written."""
+    c = _fresh()
+    c.add_many(_with_keys(_stacked_env_parts(), chunk_id=np.array([1, 1], np.int64)))
+    before = snapshot(c.state)
+    bad = _stacked_env_parts()
+    bad = _with_keys(bad, step_id=np.array(values, object), chunk_id=np.array([2, 2]))
+    with pytest.raises(CollectorError, match="source.step_id must be an integer") as info:
+        c.add_many(bad)
+    assert info.value.code == ErrorCode.STRUCTURE_MISMATCH
+    assert_same(snapshot(c.state), before)
+
+
+def test_a_stack_with_uint64_keys_collects_as_int64_keys_do():
+    """uint64 keys (accepted by ``add``) in a stack: the same step as int64 keys (they
+    once left rows marked and counts unchanged, and the step could never complete)."""
+    parts = all_parts(step=STEP)
+    as_u64 = [p.replace(source=p.source.replace(key=jax.tree.map(np.uint64, p.source.key)))
+              for p in parts]
+    out = []
+    c = _fresh()
+    for group in jaxtraj.stack_parts(as_u64):
+        out += c.add_many(group)
+    assert len(out) == 1
+    assert_same(out[0][1], reference(step=STEP))
+
+
+def test_a_stack_with_an_offset_near_the_int64_limit_is_out_of_range():
+    c = _fresh()
+    before = snapshot(c.state)
+    bad = _stacked_env_parts()
+    bad = bad.replace(source=bad.source.replace(offset=np.int64(2**63 - 2)))
+    with pytest.raises(CollectorError) as info:
+        c.add_many(bad)
+    assert info.value.code == ErrorCode.ROWS_OUT_OF_RANGE
+    huge = bad.replace(source=bad.source.replace(offset=2**70))  # a Python int
+    with pytest.raises(CollectorError) as info:
+        c.add_many(huge)
+    assert info.value.code == ErrorCode.ROWS_OUT_OF_RANGE
+    assert_same(snapshot(c.state), before)
+
+
+def test_a_stacked_structure_error_names_the_part_and_its_key(monkeypatch):
+    from jaxtraj import collector
+
+    monkeypatch.setattr(collector, "_STACK_AT_LEAST", 1)
+    c = _fresh()
+    v = env_part(1, 1, step=STEP)
+    narrow = v.replace(transition=v.transition.replace(
+        rewards=np.asarray(v.transition.rewards, np.float16)))
+    with pytest.raises(CollectorError, match="part 1 of the batch") as info:
+        c.add_many([policy_part(1, 1, step=STEP), narrow, policy_part(2, 1, step=STEP)])
+    assert info.value.code == ErrorCode.STRUCTURE_MISMATCH
+    assert tuple(info.value.key) == (STEP, 1, 0, 0, 1)
+
+
+def test_a_payload_leaf_that_is_not_numbers_is_a_structure_mismatch():
+    c = _fresh()
+    p = policy_part(1, 1, step=STEP)
+    bad = p.replace(output=p.output.replace(prev_values="not values"))
+    with pytest.raises(CollectorError, match="prev_values") as info:
+        c.add(bad)
+    assert info.value.code == ErrorCode.STRUCTURE_MISMATCH
+
+
+def test_an_empty_stack_inserts_nothing():
+    c = _fresh()
+    before = snapshot(c.state)
+    empty = jax.tree.map(lambda x: np.asarray(x)[:0], _stacked_env_parts())
+    assert c.add_many(empty) == []
+    assert_same(snapshot(c.state), before)
+    assert c.missing() == _fresh().missing()
