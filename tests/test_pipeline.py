@@ -6,6 +6,7 @@ import dataclasses
 
 import chex
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import PLAN, B, E, T, all_parts, env_part, policy_part, reference
@@ -208,3 +209,44 @@ def test_row_packing_and_gather_packing_agree():
         i = np.arange(N)
         np.testing.assert_array_equal(np.asarray(a)[place(i)], x[rows[order]])
         assert not np.asarray(a)[place(N)].any()  # the padding place reads zeros
+
+
+def _order_chi_square(random_bits=None, rounds=None):
+    """Chi-square of the 48 orders of 6 samples (4 valid) over 4,800 fixed keys."""
+    from jaxtraj.modes.pipeline import shuffle_valid_first
+
+    valid = jnp.asarray([True, False, True, True, False, True])
+    keys = jax.random.split(jax.random.PRNGKey(7), 4800)
+    shuffle = jax.jit(jax.vmap(lambda k: shuffle_valid_first(k, valid, random_bits, rounds)))
+    counts = {}
+    for row in np.asarray(shuffle(keys)):
+        assert np.asarray(valid)[row[:4]].all() and sorted(row) == list(range(6))
+        counts[tuple(row)] = counts.get(tuple(row), 0) + 1
+    expected = 4800 / 48
+    missing = 48 - len(counts)
+    return sum((c - expected) ** 2 / expected for c in counts.values()) + missing * expected
+
+
+@pytest.mark.parametrize("random_bits", [None, 2, 1, 0], ids=["default", "2 bits", "1 bit",
+                                                              "fallback"])
+def test_shuffle_is_uniform_over_orders_with_valid_samples_first(random_bits):
+    """Every order of the valid samples (and of the invalid ones after them) equally likely:
+    chi-square of 47 degrees of freedom under its 0.1% quantile (82.7), also with so few
+    random bits a round that ties are everywhere (the rounds then make up for them)."""
+    assert _order_chi_square(random_bits) < 82.7
+
+
+def test_shuffle_chi_square_sees_the_bias_of_too_few_rounds():
+    # With 2 random bits a round, one or two rounds leave tied samples in index order.
+    assert _order_chi_square(2, 1) > 82.7 and _order_chi_square(2, 2) > 82.7
+
+
+def test_shuffle_of_many_samples_is_a_permutation_with_valid_first():
+    from jaxtraj.modes.pipeline import shuffle_valid_first
+
+    valid = np.random.default_rng(3).random(8192) < 0.9
+    order = np.asarray(jax.jit(shuffle_valid_first)(jax.random.PRNGKey(1), jnp.asarray(valid)))
+    assert sorted(order.tolist()) == list(range(8192))
+    n = int(valid.sum())
+    assert valid[order[:n]].all() and not valid[order[n:]].any()
+    assert abs(np.corrcoef(order[:n], np.arange(n))[0, 1]) < 0.05  # not left in index order
