@@ -8,7 +8,8 @@ written as a LeRobot dataset (:mod:`jaxtraj.lerobot`).
 Internal modules (``checks``, ``storage``, ``_forwarding``) may change without notice.
 """
 
-from jaxtraj import lerobot
+import importlib
+
 from jaxtraj.advantages import (
     discounted_returns,
     gae,
@@ -43,6 +44,21 @@ from jaxtraj.types import (
 )
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """``jaxtraj.lerobot`` loads on first use: it needs pyarrow (the ``lerobot`` extra),
+    which collection, training and the other output modes do not."""
+    if name == "lerobot":
+        try:
+            module = importlib.import_module("jaxtraj.lerobot")
+        except ImportError as e:
+            raise ImportError(
+                f"jaxtraj.lerobot needs the lerobot extra (pip install 'jaxtraj[lerobot]'): {e}"
+            ) from e
+        globals()["lerobot"] = module
+        return module
+    raise AttributeError(f"module 'jaxtraj' has no attribute {name!r}")
 
 __all__ = [
     "CollectorError",

@@ -63,3 +63,48 @@ def test_names_the_readme_and_examples_use():
         assert callable(getattr(sync, name))
     for name in ("AsyncRunner", "DecoupledRunner", "RunnerError"):
         assert callable(getattr(threads, name))
+
+
+def test_the_core_imports_without_the_lerobot_extra(tmp_path):
+    """``import jaxtraj`` and a collection need no pyarrow (the README's main command
+    installs only the examples extra); ``jaxtraj.lerobot`` says which extra it needs."""
+    import subprocess
+    import sys
+    import textwrap
+
+    hide = tmp_path / "sitecustomize.py"  # makes pyarrow unimportable in the child
+    hide.write_text(textwrap.dedent("""
+        import sys
+        class _Hide:
+            def find_spec(self, name, path=None, target=None):
+                if name == "pyarrow" or name.startswith("pyarrow."):
+                    raise ImportError("pyarrow hidden for this test")
+        sys.meta_path.insert(0, _Hide())
+    """))
+    code = textwrap.dedent("""
+        import numpy as np
+        import jaxtraj
+        assert "pyarrow" not in __import__("sys").modules
+        plan = jaxtraj.TrajectoryPlan(num_chunks=1, batch_size=2)
+        key = jaxtraj.TrajectoryKey(0, 0, 0, 0, 0)
+        src = jaxtraj.TrajectorySource(key, 2, 0)
+        out = jaxtraj.PolicyOutput(actions=np.zeros((2, 1), np.float32))
+        pol = jaxtraj.PolicyPart(src, {"x": np.zeros((2, 3), np.float32)}, out)
+        z = np.zeros((2,), bool)
+        tr = jaxtraj.EnvTransition(rewards=np.ones((2,), np.float32), terminations=z,
+                                   truncations=z)
+        env = jaxtraj.EnvPart(src, tr, initial_transition=tr.boundary())
+        c = jaxtraj.TrajectoryCollector(plan, pol, env)
+        assert c.add(pol) == [] and len(c.add(env)) == 1
+        try:
+            jaxtraj.lerobot
+        except ImportError as e:
+            assert "jaxtraj[lerobot]" in str(e), e
+        else:
+            raise AssertionError("jaxtraj.lerobot imported without pyarrow")
+        print("ok")
+    """)
+    env = {**__import__("os").environ, "PYTHONPATH": f"{tmp_path}"}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]
