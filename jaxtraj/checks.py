@@ -265,8 +265,9 @@ def first_error(xp: Any, checks: list[tuple[Any, ErrorCode]]) -> Any:
                 return int(c)
         return 0
     code = xp.asarray(0, dtype=np.int32)
-    for bad, c in reversed(checks):
-        code = xp.where(bad, xp.asarray(int(c), dtype=np.int32), code)
+    for bad, c in reversed(checks):  # c: a code, or an array of codes per element
+        c = xp.asarray(c, dtype=np.int32) if isinstance(c, np.ndarray) else int(c)
+        code = xp.where(bad, xp.asarray(c, dtype=np.int32), code)
     return code
 
 
@@ -365,6 +366,7 @@ class HostChecks:
         self.index = {(int(r), int(s)): i for i, (r, s) in enumerate(sources)}
         self.needs_final = layout.policy.output.prev_values is not None
         self._seen: dict[Any, Signature] = {}
+        self._tables: dict[Layout, np.ndarray] = {}  # stacked env halves' boundary codes
 
     def signature(
         self, part: Any, leaves: list, treedef: Any, stacked: bool = False, key: Any = None
@@ -397,6 +399,20 @@ class HostChecks:
             if sig is not None:
                 self._seen[sig] = found
         return found
+
+    def _boundary_table(self, layout: Layout) -> np.ndarray:
+        """``int32[2, 2, 2]``: an env half's boundary code by (first chunk, last chunk, cut),
+        from the rules themselves at a chunk of each kind."""
+        table = self._tables.get(layout)
+        if table is None:
+            T = self.plan.num_chunks
+            table = self._tables[layout] = np.zeros((2, 2, 2), np.int32)
+            for t in {0, T - 1, min(1, T - 1)}:  # the first, the last, one between
+                for cut in (False, True):
+                    rules = env_checks(py, self.plan, t, layout, needs_final=self.needs_final,
+                                       cut=cut)
+                    table[int(t == 0), int(t == T - 1), int(cut)] = first_error(py, rules)
+        return table
 
     def structure(self, part: Any, stacked: bool = False, key: Any = None) -> Layout:
         """Structure check (cached by signature)."""
@@ -524,7 +540,8 @@ class HostChecks:
                  & (keys[:, 0] == step[s]) & (bs == plan.batch_size) & (off >= 0)
                  & (off <= plan.batch_size - rows))
         rules = []
-        if not valid.all():
+        failed = not valid.all()
+        if failed:
             source = TrajectorySource(TrajectoryKey(*keys.T), bs, off)
             rules = key_checks(np, plan, source, rows, found, step[s])
             valid = first_error(np, rules) == 0
@@ -549,17 +566,24 @@ class HostChecks:
             seen_first[first] = True
             dup |= ~seen_first.reshape(ids.shape).all(axis=1)
         rules.append((dup, ErrorCode.DUPLICATE))
+        failed = failed or dup.any()
         if isinstance(part, EnvPart):
-            rules += env_checks(
-                np, self.plan, keys[:, 4], layout, needs_final=self.needs_final,
-                cut=cut_any(np, self.plan, part, n),
-            )
-        if self.plan.nonfinite == "reject":
+            # The boundary rules' code per part, from a table by (first chunk, last chunk,
+            # cut) worked out once per layout with the rules themselves.
+            table = self._boundary_table(layout)
+            t = keys[:, 4]
+            boundary = table[(t == 0).astype(np.intp), (t == plan.num_chunks - 1).astype(np.intp),
+                             cut_any(np, plan, part, n).astype(np.intp)]
+            rules.append((boundary, None))
+            failed = failed or boundary.any()
+        if plan.nonfinite == "reject":
             finite = np.ones((n,), bool)
             for x in finite_leaves(part):
                 finite &= np.isfinite(np.asarray(x)).reshape(n, -1).all(axis=1)
             rules.append((~finite, ErrorCode.NON_FINITE))
-        if any(np.any(bad) for bad, _ in rules):
+            failed = failed or not finite.all()
+        if failed:
+            rules = [(bad, c) if c is not None else (bad != 0, bad) for bad, c in rules]
             code = first_error(np, rules)
             bad = np.flatnonzero(code)
             i = bad[0]
