@@ -367,25 +367,34 @@ def tiny_overhead(repeats, halves=4096, batch=256):
 
 
 def capacity_scaling(repeats, small=64, large=4096, B=64, inserts=64):
-    """Insert time of the same ``inserts`` parts into a state of ``small`` vs ``large`` chunks."""
-    out = {}
+    """Insert time of the same ``inserts`` parts into a state of ``small`` vs ``large``
+    chunks; the two alternate round by round (so that both meet the same machine load)."""
+    runs = {}
+    parts = make_parts(B, inserts, image=False, seed=3)
+    pol, env = examples(parts)
+    policy_parts = jax.device_put([p for p in parts if isinstance(p, PolicyPart)])
     for T in (small, large):
-        parts = [p for p in make_parts(B, inserts, image=False, seed=3)]
         plan = TrajectoryPlan(num_chunks=T, batch_size=B)
-        pol, env = examples(parts)
         add_p = jax.jit(jaxtraj.add_policy, static_argnums=0, donate_argnums=1)
-        policy_parts = jax.device_put([p for p in parts if isinstance(p, PolicyPart)])
         holder = {"state": jaxtraj.init(plan, pol, env)}
 
-        def insert():
+        def insert(plan=plan, add_p=add_p, holder=holder):
             state = holder["state"].replace(policy_rows=jnp.zeros_like(holder["state"].policy_rows))
             for p in policy_parts:
                 state = add_p(plan, state, p)
             jax.block_until_ready(state)
             holder["state"] = state
 
-        t, _ = timeit(insert, repeats)
-        out[T] = t / len(policy_parts) * 1e6
+        insert()  # compile
+        insert()
+        runs[T] = insert
+    times = {T: [] for T in runs}
+    for _ in range(max(repeats, 5)):
+        for T, fn in runs.items():
+            t0 = time.perf_counter()
+            fn()
+            times[T].append(time.perf_counter() - t0)
+    out = {T: statistics.median(ts) / len(policy_parts) * 1e6 for T, ts in times.items()}
     return {
         "us_per_insert": {str(k): v for k, v in out.items()},
         "ratio": out[large] / out[small],
