@@ -2,8 +2,8 @@
 
 Threads and queues::
 
-    env worker r (one per env rank) --requests (bounded)--> policy worker
-    policy worker --actions (one reply queue per env rank, size 1)--> env worker r
+    env worker r (one per env rank) --requests (at most two each)--> policy worker
+    policy worker --actions (one reply queue per env rank, one reply at most)--> env worker r
     env workers, policy worker --parts (bounded)--> consumer --> TrajectoryCollector
     consumer --> on_flush(queue_key, item) | output_queue | the list run() returns
 
@@ -85,7 +85,8 @@ class AsyncRunner:
       seed: base seed of :func:`key_rng` (policy sampling).
       on_flush: ``on_flush(queue_key, item)`` called for each flushed item; else
         ``output_queue.put((queue_key, item))``; else :meth:`run` returns the items.
-      queue_size: bound of the request and parts queues.
+      queue_size: bound of the parts queue (requests and replies need none: an env worker
+        has at most two requests and one reply outstanding).
       jitter_s: each part arrives ``uniform(0, jitter_s)`` after it is published
         (simulated transport delays, seeded by ``seed``): the consumer holds it back until
         it is due and takes parts in due order, so later parts overtake earlier ones,
@@ -131,9 +132,12 @@ class AsyncRunner:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._failure: tuple[str, tuple | None, BaseException] | None = None
-        self._requests: queue.Queue = queue.Queue(queue_size)
+        # Requests and replies are bounded by the protocol (an env worker has at most two
+        # requests and one reply outstanding): C-level SimpleQueues, several times cheaper a
+        # hand-off than queue.Queue's Python locks. Parts keep a bound (backpressure).
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._parts: queue.Queue = queue.Queue(queue_size)
-        self._replies = [queue.Queue(1) for _ in self.envs]
+        self._replies = [queue.SimpleQueue() for _ in self.envs]
         self._threads: list[threading.Thread] = []
         self.max_qsize = {"requests": 0, "parts": 0, "replies": 0}
         self._consumer = Consumer(collector, on_flush, output_queue)
