@@ -52,7 +52,9 @@ def __getattr__(name: str):
     if name == "lerobot":
         try:
             module = importlib.import_module("jaxtraj.lerobot")
-        except ImportError as e:
+        except ModuleNotFoundError as e:
+            if (e.name or "").split(".")[0] != "pyarrow":
+                raise
             raise ImportError(
                 f"jaxtraj.lerobot needs the lerobot extra (pip install 'jaxtraj[lerobot]'): {e}"
             ) from e
@@ -60,6 +62,12 @@ def __getattr__(name: str):
         return module
     raise AttributeError(f"module 'jaxtraj' has no attribute {name!r}")
 
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), "lerobot"})
+
+
+# jaxtraj.lerobot is left out: a star import must not need the lerobot extra.
 __all__ = [
     "CollectorError",
     "CollectorState",
@@ -86,7 +94,6 @@ __all__ = [
     "gae_from_next_values",
     "group_advantages",
     "init",
-    "lerobot",
     "materialize",
     "normalize_advantages",
     "pipeline",
