@@ -257,6 +257,19 @@ def key_checks(
     ]
 
 
+def keys_pass(
+    plan: TrajectoryPlan, key: Any, batch_size: Any, offset: Any, rows: int, found: Any,
+    step: Any,
+) -> Any:
+    """Whether every rule of :func:`key_checks` passes (elementwise for arrays): the host's
+    hot path tests this one expression and asks :func:`key_checks` for the code only when
+    it fails. ``key`` is ``(step_id, epoch_id, env_rank, stage_id, chunk_id)``."""
+    step_id, e, _, _, t = key
+    return (found & (e >= 0) & (e < plan.num_epochs) & (t >= 0) & (t < plan.num_chunks)
+            & (step_id == step) & (batch_size == plan.batch_size) & (offset >= 0)
+            & (offset <= plan.batch_size - rows))
+
+
 def first_error(xp: Any, checks: list[tuple[Any, ErrorCode]]) -> Any:
     """The code of the first failing check, ``ErrorCode.OK`` (0) if none fails."""
     if xp is py:  # scalars: stop at the first failure
@@ -323,7 +336,7 @@ class Signature(NamedTuple):
     layout: Layout
     finite: tuple[int, ...]  # leaves that nonfinite="reject" checks
     cut: tuple[int, ...] | None  # leaves whose any() cuts an episode (None: a policy half)
-    boundary: dict  # an env half's boundary rules' code by (first chunk, last chunk, cut)
+    boundary: np.ndarray | None  # an env half's boundary codes (HostChecks._boundary)
 
 
 class _Pair:
@@ -366,7 +379,7 @@ class HostChecks:
         self.index = {(int(r), int(s)): i for i, (r, s) in enumerate(sources)}
         self.needs_final = layout.policy.output.prev_values is not None
         self._seen: dict[Any, Signature] = {}
-        self._tables: dict[Layout, np.ndarray] = {}  # stacked env halves' boundary codes
+        self._tables: dict[Layout, np.ndarray] = {}  # env halves' boundary codes (_boundary)
 
     def signature(
         self, part: Any, leaves: list, treedef: Any, stacked: bool = False, key: Any = None
@@ -395,14 +408,15 @@ class HostChecks:
                 layout = env_structure(self.layout, view, key)
                 flags = probe.transition.cut_flags(self.plan.truncation_bootstrap, _Pair)
                 cut = tuple(jax.tree.leaves(flags))
-            found = Signature(layout, tuple(finite_leaves(probe)), cut, {})
+            boundary = None if cut is None else self._boundary(layout)
+            found = Signature(layout, tuple(finite_leaves(probe)), cut, boundary)
             if sig is not None:
                 self._seen[sig] = found
         return found
 
-    def _boundary_table(self, layout: Layout) -> np.ndarray:
+    def _boundary(self, layout: Layout) -> np.ndarray:
         """``int32[2, 2, 2]``: an env half's boundary code by (first chunk, last chunk, cut),
-        from the rules themselves at a chunk of each kind."""
+        worked out once per layout from the rules themselves at a chunk of each kind."""
         table = self._tables.get(layout)
         if table is None:
             T = self.plan.num_chunks
@@ -441,13 +455,11 @@ class HostChecks:
             bs, off = _scalar(leaves[5], "batch_size"), _scalar(leaves[6], "offset")
         info = self.signature(part, leaves, treedef, False, key)
         layout, rows, plan = info.layout, info.layout.rows, self.plan
-        step_id, e, rank, stage, t = key
-        s = self.index.get((rank, stage))
+        e, t = key[1], key[4]
+        s = self.index.get((key[2], key[3]))
         # Every key rule at once; only a part that fails one is run through the rules in
         # their priority order (the same rules, the same code, for the error).
-        if not (s is not None and 0 <= e < plan.num_epochs and 0 <= t < plan.num_chunks
-                and step_id == step[s] and bs == plan.batch_size
-                and 0 <= off and off + rows <= plan.batch_size):
+        if s is None or not keys_pass(plan, key, bs, off, rows, True, int(step[s])):
             found, s = s is not None, s or 0
             rules = key_checks(py, plan, _Source(_Key(*key), bs, off), rows, found, int(step[s]))
             raise CollectorError(key, first_error(py, rules))
@@ -455,11 +467,7 @@ class HostChecks:
             raise CollectorError(key, ErrorCode.DUPLICATE)
         if info.cut is not None:  # an env half: its boundary rules, by what decides them
             cut = any(np.count_nonzero(leaves[i]) for i in info.cut)
-            at = (t == 0, t == plan.num_chunks - 1, cut)
-            code = info.boundary.get(at)
-            if code is None:
-                rules = env_checks(py, plan, t, layout, needs_final=self.needs_final, cut=cut)
-                code = info.boundary[at] = first_error(py, rules)
+            code = info.boundary[int(t == 0), int(t == plan.num_chunks - 1), int(cut)]
             if code:
                 raise CollectorError(key, code)
         if info.finite and plan.nonfinite == "reject":
@@ -497,7 +505,7 @@ class HostChecks:
         self, part: Any, rows_mask: np.ndarray, step: np.ndarray, places: list | None = None
     ) -> np.ndarray:
         """Check a stack of parts (a leading axis ``N``) and mark their rows in
-        ``rows_mask``; return their source indices ``[N]``.
+        ``rows_mask``; return their source indices ``[N]`` and their :class:`Layout`.
 
         Rows repeated within the stack are duplicates too. Raises ``CollectorError``
         for the first rejected part (named by its place in the caller's batch when
@@ -527,7 +535,7 @@ class HostChecks:
             raise CollectorError(key, err.code, f"{err.detail}; {first}") from None
         n, rows = keys.shape[0], layout.rows
         if not n:
-            return np.zeros((0,), np.int64)  # an empty stack: nothing to insert
+            return np.zeros((0,), np.int64), layout  # an empty stack: nothing to insert
         bs, off = np.broadcast_to(ints[5], (n,)), np.broadcast_to(ints[6], (n,))
         match = (self.sources[None, :, 0] == keys[:, 2:3]) & (
             self.sources[None, :, 1] == keys[:, 3:4]
@@ -535,10 +543,7 @@ class HostChecks:
         found, s = match.any(axis=1), match.argmax(axis=1)
         # Every key rule at once; the rules in their priority order only when one fails.
         plan = self.plan
-        e, t = keys[:, 1], keys[:, 4]
-        valid = (found & (e >= 0) & (e < plan.num_epochs) & (t >= 0) & (t < plan.num_chunks)
-                 & (keys[:, 0] == step[s]) & (bs == plan.batch_size) & (off >= 0)
-                 & (off <= plan.batch_size - rows))
+        valid = keys_pass(plan, keys.T, bs, off, rows, found, step[s])
         rules = []
         failed = not valid.all()
         if failed:
@@ -567,14 +572,13 @@ class HostChecks:
             dup |= ~seen_first.reshape(ids.shape).all(axis=1)
         rules.append((dup, ErrorCode.DUPLICATE))
         failed = failed or dup.any()
-        if isinstance(part, EnvPart):
-            # The boundary rules' code per part, from a table by (first chunk, last chunk,
-            # cut) worked out once per layout with the rules themselves.
-            table = self._boundary_table(layout)
+        if isinstance(part, EnvPart):  # the boundary rules' code per part, from the table
             t = keys[:, 4]
-            boundary = table[(t == 0).astype(np.intp), (t == plan.num_chunks - 1).astype(np.intp),
-                             cut_any(np, plan, part, n).astype(np.intp)]
-            rules.append((boundary, None))
+            boundary = self._boundary(layout)[
+                (t == 0).astype(np.intp), (t == plan.num_chunks - 1).astype(np.intp),
+                cut_any(np, plan, part, n).astype(np.intp),
+            ]
+            rules.append((boundary != 0, boundary))
             failed = failed or boundary.any()
         if plan.nonfinite == "reject":
             finite = np.ones((n,), bool)
@@ -583,19 +587,17 @@ class HostChecks:
             rules.append((~finite, ErrorCode.NON_FINITE))
             failed = failed or not finite.all()
         if failed:
-            rules = [(bad, c) if c is not None else (bad != 0, bad) for bad, c in rules]
             code = first_error(np, rules)
             bad = np.flatnonzero(code)
             i = bad[0]
             where = f"part {i} of its group" if places is None else f"part {places[i]} of the batch"
             raise CollectorError(keys[i], code[i], where)
         mask[flat] = True
-        return s
+        return s, layout
 
 
 _FIELDS = ("step_id", "epoch_id", "env_rank", "stage_id", "chunk_id")
-
-
+_INTS = (int,) * 7
 _INT64 = np.iinfo(np.int64)
 
 
@@ -612,7 +614,6 @@ def _int64s(v: Any, name: str, where: str) -> np.ndarray:
     if a.dtype == np.uint64:
         a = np.minimum(a, np.uint64(_INT64.max))
     return a.astype(np.int64, copy=False)
-_INTS = (int,) * 7
 
 
 def _scalar(v: Any, name: str) -> int:

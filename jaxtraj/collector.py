@@ -228,12 +228,12 @@ class TrajectoryCollector:
         of the coverage, then insert them all."""
         rows = {k: v.copy() for k, v in self.mirror.rows.items()}
         checked = self._checks.many(large, rows, self.mirror.step, places) if large else []
-        owners = [
+        stacked = [
             self._checks.stack(g, rows[type(g)], self.mirror.step,
                                None if group_places is None else group_places[n])
             for n, g in enumerate(groups)
         ]
-        layouts = [self._checks.structure(g, True) for g in groups]
+        owners, layouts = [s for s, _ in stacked], [lay for _, lay in stacked]
         for s, e, t, off, layout, leaves, treedef in checked:
             self._store.insert(*self.mode.slot(s, e, t, off), leaves, treedef, layout)
         for group, s_of, layout in zip(groups, owners, layouts):

@@ -153,7 +153,6 @@ def storage_for(kind, plan, policy_example, env_example, mode, sources, step_id)
     raise ValueError(f"storage must be 'auto', 'host' or 'device', got {kind!r}")
 
 
-
 #: Handed-out staging buffers a host storage keeps per state to reuse once their
 #: trajectories are dropped: beyond the step being collected, at most this many steps'
 #: buffers stay allocated.

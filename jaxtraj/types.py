@@ -408,12 +408,7 @@ def stack_parts(parts: Iterable[PolicyPart | EnvPart]) -> list[PolicyPart | EnvP
     in order of first appearance: what :meth:`TrajectoryCollector.add_many` and the
     pure ``add_policies`` / ``add_envs`` take.
     """
-    return [group for group, _ in stack_parts_indexed(parts)]
-
-
-def stack_parts_indexed(parts: Iterable[PolicyPart | EnvPart]) -> list[tuple[Any, list[int]]]:
-    """:func:`stack_parts`, each group with the places its parts had in ``parts``."""
-    return [(stack_group(g), places) for g, places in group_parts(parts)]
+    return [stack_group(group) for group, _ in group_parts(parts)]
 
 
 class PartGroup(NamedTuple):

@@ -16,7 +16,15 @@ from test_bad_input import CASES, STEP, STRUCTURE_CASES, _prefix_and_rest
 
 import jaxtraj
 from jaxtraj import CollectorError, EnvTransition, ErrorCode, TrajectoryKey, TrajectorySource
-from jaxtraj.checks import HostChecks, Layout, env_checks, first_error, key_checks, py
+from jaxtraj.checks import (
+    HostChecks,
+    Layout,
+    env_checks,
+    first_error,
+    key_checks,
+    keys_pass,
+    py,
+)
 
 
 def test_key_rules_agree_on_host_numpy_and_jit():
@@ -49,6 +57,13 @@ def test_key_rules_agree_on_host_numpy_and_jit():
     jitted = jax.vmap(traced)(*[jnp.asarray(c) for c in cols])
     np.testing.assert_array_equal(stacked, host)
     np.testing.assert_array_equal(jitted, host)
+    # The host's one-expression fast test passes exactly when every key rule does.
+    key = lambda e, t, st: (st, e, 0, 0, t)
+    passes = [bool(keys_pass(PLAN, key(e, t, st), bs, off, rows, found, step))
+              for e, t, st, bs, off, found in grid]
+    assert passes == [code == ErrorCode.OK for code in host]
+    passes_np = keys_pass(PLAN, key(*cols[:3]), cols[3], cols[4], rows, cols[5], step)
+    np.testing.assert_array_equal(passes_np, passes)
     assert set(host) == {
         ErrorCode.OK,
         ErrorCode.UNKNOWN_SOURCE,
@@ -104,7 +119,7 @@ def _host_code(checks, state, part, stacked):
     try:
         if stacked:  # a stack of one: the numpy path the facade's add_many takes
             one = jax.tree.map(lambda x: np.asarray(x)[None], part)
-            checks.stack(one, rows.copy(), np.asarray(state.step))
+            checks.stack(one, rows.copy(), np.asarray(state.step))  # (sources, layout)
         else:  # the plain-Python path of the facade's add
             checks.one(part, rows, np.asarray(state.step))
     except CollectorError as err:

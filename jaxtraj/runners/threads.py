@@ -139,6 +139,7 @@ class AsyncRunner:
         self._parts: queue.Queue = queue.Queue(queue_size)
         self._replies = [queue.SimpleQueue() for _ in self.envs]
         self._threads: list[threading.Thread] = []
+        self._held: list = []  # parts in transit at the consumer (jitter_s): a heap
         self.max_qsize = {"requests": 0, "parts": 0, "replies": 0}
         self._consumer = Consumer(collector, on_flush, output_queue)
         # The buffers' layout (shapes only), to check each half in its own worker.
@@ -206,7 +207,7 @@ class AsyncRunner:
             )
         )
         received = 0
-        self._held = held = []  # parts in transit: (due, order, worker, part), a heap
+        self._held = held = []  # (due, order, worker, part)
         order = 0
         try:
             for t in self._threads:
@@ -360,8 +361,7 @@ class AsyncRunner:
     def _drain(self) -> None:
         """After a failure: insert the parts healthy workers already published (those in
         transit first, in due order)."""
-        held = sorted(getattr(self, "_held", []))
-        self._held = []
+        held, self._held = sorted(self._held), []
         while True:
             try:
                 _, worker, part = self._parts.get_nowait()
