@@ -52,7 +52,8 @@ _REASONS = {
     ErrorCode.UNEXPECTED_INITIAL_TRANSITION: "only chunk 0's env half may carry initial_transition",
     ErrorCode.MISSING_FINAL_VALUES: (
         "missing final_values: the last chunk's env half must carry the bootstrap value "
-        "V(s_T), and a chunk that truncates an episode the value V(final obs)"
+        "V(s_T), and a chunk that truncates an episode the value V(final obs) (a runner "
+        "computes them with its value_fn from EnvStep.final_obs)"
     ),
     ErrorCode.MISSING_NEXT_OBS: (
         "the last chunk's env half must carry the next state: next_obs (collect_transitions) "

@@ -53,9 +53,18 @@ class PointEnv:
       snapshots: offer ``get_state`` / ``set_state`` (else a restart replays).
     """
 
-    def __init__(self, rank, die_at=None, marker=None, raise_at=None, snapshots=True, hang_at=None):
+    def __init__(
+        self,
+        rank,
+        die_at=None,
+        marker=None,
+        raise_at=None,
+        snapshots=True,
+        hang_at=None,
+        critic=True,
+    ):
         self.rank, self.die_at, self.marker, self.raise_at = rank, die_at, marker, raise_at
-        self.hang_at = hang_at
+        self.hang_at, self.critic = hang_at, critic
         if snapshots:
             self.get_state = lambda: (self.pos.copy(), self.t.copy())
             self.set_state = self._set_state
@@ -91,6 +100,7 @@ class PointEnv:
         terms = np.abs(self.pos).max(-1) > 2.0
         truncs = (self.t >= 4) & ~terms
         final = (self.pos @ np.asarray(PARAMS["v"])).astype(np.float32)
+        final_obs = self.obs()  # where an episode ends: the observation it ended on
         done = terms | truncs
         fresh = rng.normal(size=(B, OBS)).astype(np.float32)
         self.pos = np.where(done[:, None], fresh, self.pos)
@@ -98,8 +108,15 @@ class PointEnv:
         return EnvStep(
             transition=EnvTransition(rewards=rewards, terminations=terms, truncations=truncs),
             obs=self.obs(),
-            final_values=final,
+            # critic=False: no critic here; the runner's value_fn reads final_obs.
+            final_values=final if self.critic else None,
+            final_obs=None if self.critic else final_obs,
         )
+
+
+def value_fn(params, obs):
+    """The policy side's critic: what PointEnv(critic=True) computes itself."""
+    return (np.asarray(obs["state"]) @ np.asarray(params["v"])).astype(np.float32)
 
 
 def policy_fn(params, obs, rng):
@@ -317,3 +334,47 @@ def test_import_without_ray_says_which_extra(monkeypatch):
     monkeypatch.delitem(sys.modules, "jaxtraj.runners.ray", raising=False)
     with pytest.raises(ImportError, match=r"pip install 'jaxtraj\[ray\]'"):
         importlib.import_module("jaxtraj.runners.ray")
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"policy": "actor", "chunks_per_call": 2}],
+    ids=["value_in_learner", "value_in_actors"],
+)
+def test_terminal_inference_on_the_policy_side_env_actors_need_no_critic(
+    ray_instance, reference, options
+):
+    # The reference (env critic) truncates mid-epoch and bootstraps the last chunk.
+    assert any(np.asarray(tr.truncations)[:, 1:-1].any() for tr in reference.values())
+    env_fn = functools.partial(PointEnv, critic=False)
+    with ray_runner(make_collector(), env_fn, value_fn=value_fn, **options) as runner:
+        got = by_source(runner.run())
+    assert sorted(got) == sorted(reference)
+    for k in reference:
+        assert_same(got[k], reference[k])
+
+
+def test_run_once_per_training_step_carries_envs_keys_and_versions(ray_instance):
+    steps = 10
+    ref = by_source(
+        AsyncRunner(
+            make_collector(),
+            [PointEnv(r) for r in range(RANKS)],
+            policy_fn,
+            PARAMS,
+            num_steps=steps,
+            seed=SEED,
+        ).run()
+    )
+    env_fn = functools.partial(PointEnv, critic=False)
+    got = {}
+    with ray_runner(make_collector(), env_fn, value_fn=value_fn, num_steps=1) as runner:
+        for it in range(steps):
+            items = by_source(runner.run())
+            assert sorted(items) == [(it, r) for r in range(RANKS)]
+            got.update(items)
+            assert runner.update_policy(PARAMS) == it + 1
+    for (s, r), tr in got.items():
+        np.testing.assert_array_equal(np.asarray(tr.versions), s)  # version s in step s
+        # Environments continue across calls: the same as one uninterrupted run.
+        assert_same(tr.replace(versions=None), ref[(s, r)].replace(versions=None))

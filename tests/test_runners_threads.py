@@ -33,12 +33,13 @@ PARAMS = {
 class PointEnv:
     """The example's point-mass task as a runner env; randomness from the chunk key."""
 
-    def __init__(self, rank, delay_s=0.0, fail_at=None, bad_obs_at=None, log=None):
+    def __init__(self, rank, delay_s=0.0, fail_at=None, bad_obs_at=None, log=None, critic=True):
         self.rank, self.delay_s, self.fail_at, self.bad_obs_at = rank, delay_s, fail_at, bad_obs_at
         self.rand = random.Random(rank)
-        self.log = log
+        self.log, self.critic, self.resets = log, critic, 0
 
     def reset(self):
+        self.resets += 1
         self.state = ex.env_reset(jax.random.PRNGKey(100 + self.rank), B)
         return {"state": np.asarray(ex.observe(self.state))}
 
@@ -60,8 +61,16 @@ class PointEnv:
                 rewards=np.asarray(r), terminations=np.asarray(term), truncations=np.asarray(trunc)
             ),
             obs=obs,
-            final_values=np.asarray(final_obs @ PARAMS["v"]),
+            # critic=False: no critic in the env worker, the policy side's value_fn runs
+            # terminal inference on final_obs.
+            final_values=np.asarray(final_obs @ PARAMS["v"]) if self.critic else None,
+            final_obs=None if self.critic else {"state": np.asarray(final_obs)},
         )
+
+
+def value_fn(params, obs):
+    """The critic of the policy side: what PointEnv(critic=True) computes itself."""
+    return np.asarray(jnp.asarray(obs["state"]) @ params["v"])
 
 
 _RAND = random.Random(0)  # only the policy worker thread draws from it
@@ -162,8 +171,15 @@ def test_jitter_is_a_transport_delay_parts_overtake_and_producers_do_not_wait():
     publishing a part does not wait for its delay."""
     ref = sync_reference(1)
     published, arrived, waited = [], [], []
-    runner = AsyncRunner(make_collector(), [PointEnv(r) for r in range(RANKS)], policy_fn,
-                         PARAMS, num_steps=1, seed=SEED, jitter_s=0.2)
+    runner = AsyncRunner(
+        make_collector(),
+        [PointEnv(r) for r in range(RANKS)],
+        policy_fn,
+        PARAMS,
+        num_steps=1,
+        seed=SEED,
+        jitter_s=0.2,
+    )
     publish, consume = runner._publish, runner._consumer.__class__.consume
 
     def logged_publish(worker, part, rand):
@@ -325,3 +341,64 @@ def test_max_batch_is_declared_on_both_runners():
     assert AsyncRunner.max_batch == 1
     assert "max_batch" in vars(AsyncRunner)
     assert issubclass(DecoupledRunner, AsyncRunner)
+
+
+def test_terminal_inference_runs_on_the_policy_side_env_workers_need_no_critic():
+    ref = sync_reference(2)  # final values from the env's own critic
+    # The reference truncates mid-epoch (the bootstrap enters rewards there) and reads
+    # V(s_T) on the last chunk: both are what value_fn must supply.
+    assert any(np.asarray(tr.truncations)[:, 1:-1].any() for tr in ref.values())
+    runner = AsyncRunner(
+        make_collector(),
+        [PointEnv(r, critic=False) for r in range(RANKS)],
+        policy_fn,
+        PARAMS,
+        value_fn=value_fn,
+        num_steps=2,
+        seed=SEED,
+        jitter_s=0.001,
+    )
+    got = {(int(tr.step_id), int(tr.env_rank)): tr for _, tr in runner.run()}
+    assert sorted(got) == sorted(ref)
+    for k in ref:
+        assert_same(got[k], ref[k])
+
+
+def test_without_a_value_fn_a_critic_free_env_is_rejected_naming_the_env_worker():
+    collector = make_collector()
+    runner = AsyncRunner(
+        collector, [PointEnv(r, critic=False) for r in range(RANKS)], policy_fn, PARAMS
+    )
+    with pytest.raises(RunnerError, match="value_fn") as info:
+        runner.run()
+    assert info.value.worker.startswith("env_worker_")
+    assert info.value.cause.code == jaxtraj.ErrorCode.MISSING_FINAL_VALUES
+    assert collector.missing()  # what was collected stays; the step waits for the rest
+
+
+@pytest.mark.parametrize("cls", [AsyncRunner, DecoupledRunner])
+def test_run_once_per_training_step_carries_envs_keys_and_versions(cls):
+    steps = 10
+    envs = [PointEnv(r, critic=False, log={}) for r in range(RANKS)]
+    kw = {"max_batch": 1} if cls is DecoupledRunner else {}
+    runner = cls(make_collector(), envs, policy_fn, PARAMS, value_fn=value_fn, seed=SEED, **kw)
+    got = {}
+    for it in range(steps):
+        items = runner.run(num_steps=1)  # one training step
+        assert {int(tr.step_id) for _, tr in items} == {it}
+        got.update({(int(tr.step_id), int(tr.env_rank)): tr for _, tr in items})
+        assert runner.update_policy(PARAMS) == it + 1
+    assert sorted(got) == [(s, r) for s in range(steps) for r in range(RANKS)]
+    assert [env.resets for env in envs] == [1] * RANKS  # no reset between calls
+    for (s, _r), tr in got.items():
+        np.testing.assert_array_equal(np.asarray(tr.versions), s)  # version s in step s
+    if cls is AsyncRunner:  # the same trajectories as one uninterrupted loop
+        ref = sync_reference(steps)
+        for k in ref:
+            assert_same(got[k].replace(versions=None), ref[k].replace(versions=None))
+    else:  # step s + 1 starts from the observation step s's last chunk left
+        for (s, r), tr in got.items():
+            if s:
+                last = envs[r].log[(s - 1, E - 1, r, 0, T - 1)]
+                np.testing.assert_array_equal(np.asarray(tr.obs["state"])[0, 0], last)
+    assert runner.step_id == steps

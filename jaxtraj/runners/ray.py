@@ -74,7 +74,9 @@ from jaxtraj.runners.service import (
     ObservationCheck,
     PolicyFn,
     RunnerError,
+    ValueFn,
     chunk_keys,
+    complete_env_part,
     env_part,
     key_rngs,
     stamp_versions,
@@ -100,6 +102,8 @@ class EnvWorker:
       plan: the collector's plan (batch size, for the env halves).
       policy_fn: the policy, when inference runs in the actor (``policy="actor"``).
       stamp: whether the plan keeps ``versions`` (stamped with the model version).
+      value_fn, layout: terminal inference in the actor (``policy="actor"``: the actor's
+        copy of the policy side), and the collector's layout it shapes values to.
     """
 
     def __init__(
@@ -109,9 +113,12 @@ class EnvWorker:
         plan: TrajectoryPlan,
         policy_fn: PolicyFn | None = None,
         stamp: bool = True,
+        value_fn: ValueFn | None = None,
+        layout: Any = None,
     ):
         self.env, self.plan = env_fn(env_rank), plan
         self.policy_fn, self.stamp = policy_fn, stamp
+        self.value_fn, self.layout = value_fn, layout
         self.obs: PyTree = None
         self.prev = None  # the last chunk's EnvTransition (chunk 0 carries its flags)
 
@@ -123,13 +130,15 @@ class EnvWorker:
         self.obs, self.prev = self.env.reset(), None
         return self.obs
 
-    def step(self, key: tuple, actions: Any) -> tuple[Any, PyTree, Any]:
-        """Execute chunk ``key``'s actions: ``(env half, next observation, snapshot)``."""
+    def step(self, key: tuple, actions: Any) -> tuple[Any, EnvStep, Any]:
+        """Execute chunk ``key``'s actions: ``(env half, the env's EnvStep, snapshot)``;
+        the learner completes the half (terminal inference on ``EnvStep.final_obs``)."""
         key = TrajectoryKey(*key)
         out = self.env.step(key, actions)
         part = env_part(self.plan, key, out, self.prev)
         self.obs, self.prev = out.obs, out.transition
-        return part, out.obs, self._snapshot()
+        # Only what the learner reads travels back (not per-action observations).
+        return part, EnvStep(out.transition, out.obs, final_obs=out.final_obs), self._snapshot()
 
     def run(
         self, keys: Sequence[tuple], rngs: Sequence[Any], params: Any, version: int
@@ -145,7 +154,9 @@ class EnvWorker:
             output = stamp_versions(output, version, self.stamp)
             policy = PolicyPart(TrajectorySource(key, bsz, 0), self.obs, output)
             step = self.env.step(key, output.actions)
-            out.append((policy, env_part(self.plan, key, step, self.prev)))
+            part = env_part(self.plan, key, step, self.prev)
+            part = complete_env_part(self.plan, self.layout, part, step, self.value_fn, params)
+            out.append((policy, part))
             self.obs, self.prev = step.obs, step.transition
         return out, self._snapshot()
 
@@ -228,6 +239,12 @@ class RayRunner:
       policy_fn: ``policy_fn(params, obs, rng) -> PolicyOutput`` for a batch ``[B, ...]``
         (picklable when ``policy="actor"``); the runner stamps ``versions``.
       params: the initial policy parameters (version 0).
+      value_fn: ``value_fn(params, obs) -> [B]``, terminal inference on the policy side
+        (picklable when ``policy="actor"``): ``final_values = value_fn(params,
+        EnvStep.final_obs)`` for the chunks that need them, in the learner (or, with
+        ``policy="actor"``, in the actor's copy of the policy side, with the parameters
+        it was sent), so the environments need no critic. ``None``: env halves carry
+        the env's own ``EnvStep.final_values`` (or none).
       num_steps: training steps each :meth:`run` collects.
       step_id, stage_id: the first training step, and the stage of every key.
       env_ranks: the env ranks, one actor each; default ``range(plan.num_env_ranks)``.
@@ -262,6 +279,7 @@ class RayRunner:
         policy_fn: PolicyFn,
         params: Any,
         *,
+        value_fn: ValueFn | None = None,
         num_steps: int = 1,
         step_id: int = 0,
         stage_id: int = 0,
@@ -287,6 +305,7 @@ class RayRunner:
             raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
         self.collector, self.plan = collector, collector.plan
         self.env_fn, self.policy_fn, self.policy = env_fn, policy_fn, policy
+        self.value_fn = value_fn
         ranks = range(self.plan.num_env_ranks) if env_ranks is None else env_ranks
         self.env_ranks = [int(r) for r in ranks]
         self.num_steps, self.step_id, self.stage_id = num_steps, step_id, stage_id
@@ -351,8 +370,9 @@ class RayRunner:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def run(self) -> list[tuple[str, Any]]:
-        """Collect ``num_steps`` training steps from every env rank; block until done.
+    def run(self, num_steps: int | None = None) -> list[tuple[str, Any]]:
+        """Collect ``num_steps`` training steps (default: the constructor's) from every env
+        rank; block until done.
 
         Environments continue from where the previous :meth:`run` left them, and the
         next :meth:`run` collects the following steps.
@@ -365,12 +385,17 @@ class RayRunner:
           RunnerError: a worker failed for good, or the collector rejected a half;
             every actor is shut down first; what was collected stays in the collector.
         """
+        n = self.num_steps if num_steps is None else num_steps
+        if n < 1:
+            raise ValueError(f"num_steps must be >= 1, got {n}")
+        self._run_steps = n
         self._start()
         self._consumer = consumer = Consumer(self.collector, self.on_flush, self.output_queue)
-        keys = [k for r in self.env_ranks for k in self.keys(r)]
+        keys_of = lambda r: chunk_keys(self.plan, r, self.step_id, n, self.stage_id)
+        keys = [k for r in self.env_ranks for k in keys_of(r)]
         self._rngs = key_rngs(self.seed, keys)  # every chunk's PRNG key, in one call
         for w in self._ranks:
-            w.keys, w.n, w.sent, w.failures = self.keys(w.rank), 0, 0, 0
+            w.keys, w.n, w.sent, w.failures = keys_of(w.rank), 0, 0, 0
         try:
             for w in self._ranks:
                 w.progress_at = time.monotonic()
@@ -404,7 +429,7 @@ class RayRunner:
             if isinstance(exc, (RunnerError, KeyboardInterrupt)):
                 raise
             raise RunnerError("consumer", None, exc, consumer.delivered) from exc
-        self.step_id += self.num_steps
+        self.step_id += n
         return consumer.kept
 
     # -- actors ----------------------------------------------------------------------
@@ -418,9 +443,14 @@ class RayRunner:
         cls = ray.remote(EnvWorker).options(
             max_restarts=-1, max_task_retries=0, **self.actor_options
         )
-        policy_fn = self.policy_fn if self.policy == "actor" else None
+        actor = self.policy == "actor"
+        policy_fn = self.policy_fn if actor else None
+        value_fn = self.value_fn if actor else None
+        layout = self.collector.layout if actor else None
         for w in todo:
-            w.actor = cls.remote(self.env_fn, w.rank, self.plan, policy_fn, self._stamp)
+            w.actor = cls.remote(
+                self.env_fn, w.rank, self.plan, policy_fn, self._stamp, value_fn, layout
+            )
 
     def _params_for_actors(self) -> tuple[Any, int]:
         with self._lock:
@@ -493,8 +523,17 @@ class RayRunner:
         elif kind == "restore":
             pass  # the actor is back at the learner's restore point
         elif kind == "step":
-            part, obs, snapshot = result
+            part, out, snapshot = result
+            obs = out.obs
             self._checked_obs(w, obs)
+            with self._lock:
+                params = self._params
+            try:  # terminal inference in the learner, with the current parameters
+                part = complete_env_part(
+                    self.plan, self.collector.layout, part, out, self.value_fn, params
+                )
+            except Exception as exc:
+                raise RunnerError("policy_worker", part.source.key.as_tuple(), exc) from exc
             self._insert(w, part)
             self._advance(w, [(payload.as_tuple(), w.actions)], part.transition, snapshot)
             w.obs = obs
@@ -564,7 +603,7 @@ class RayRunner:
 
     def _check_complete(self) -> None:
         """Nothing lost: every half of the steps just collected reached the collector."""
-        end = self.step_id + self.num_steps
+        end = self.step_id + self._run_steps
         ours = {(w.rank, self.stage_id) for w in self._ranks}
         lost = [
             (k, half)

@@ -31,7 +31,14 @@ from jaxtraj import checks
 from jaxtraj.collector import TrajectoryCollector
 from jaxtraj.errors import CollectorError, ErrorCode
 from jaxtraj.plan import TrajectoryPlan
-from jaxtraj.types import EnvPart, EnvTransition, PolicyOutput, TrajectoryKey, TrajectorySource
+from jaxtraj.types import (
+    EnvPart,
+    EnvTransition,
+    PolicyOutput,
+    PolicyPart,
+    TrajectoryKey,
+    TrajectorySource,
+)
 
 PyTree = Any
 
@@ -55,20 +62,38 @@ class RunnerError(RuntimeError):
 
 @dataclass(frozen=True)
 class EnvStep:
-    """What an environment returns for one executed chunk.
+    """What an environment returns for one executed chunk of ``K`` actions.
+
+    The env reports what happened; the policy side resolves the next observation and
+    runs terminal inference (``value_fn(params, final_obs)``), so an env worker never
+    needs the critic.
 
     Attributes:
-      transition: the chunk's :class:`EnvTransition` (rewards, flags, ...), rows ``[B]``.
+      transition: the chunk's :class:`EnvTransition`, rows ``[B]``: rewards, and
+        terminations / truncations ``[B, K]`` (or ``[B]``), the environment's own.
       obs: the observation the next chunk's policy sees (after any auto-reset).
-      final_values: ``[B]`` ``V(final obs)`` from terminal inference (required on the
-        last chunk of an epoch and on chunks that truncate, when the plan has values).
+      final_values: ``[B]`` ``V(final obs)``, only for envs that run terminal inference
+        themselves; else ``None`` and the runner's ``value_fn`` computes it.
       next_obs: an explicit post-action observation (terminal boundary override).
+      final_obs: leaves ``[B, ...]``: where an episode ended in the chunk, the
+        observation it ended on (the last one, if several ended); elsewhere equal to
+        ``obs``. Terminal inference reads it, and with ``collect_transitions`` it is
+        the step's ``next_obs``.
+      action_obs: leaves ``[B, K, ...]``, the observation each action of the chunk was
+        taken from (action 0's is the chunk's ``PolicyPart.obs``; after an episode
+        ended at action ``k``, action ``k + 1``'s is the new episode's reset
+        observation). Only when asked for (LeRobot frames need them).
+      info: ``{name: [B, K]}`` per-action values an adapter was asked to keep from the
+        environment's ``info`` (``is_success``, ...).
     """
 
     transition: EnvTransition
     obs: PyTree
     final_values: Any = None
     next_obs: PyTree = None
+    final_obs: PyTree = None
+    action_obs: PyTree = None
+    info: dict | None = None
 
 
 class Env(Protocol):
@@ -82,6 +107,7 @@ class Env(Protocol):
 
 
 PolicyFn = Callable[[Any, PyTree, jax.Array], PolicyOutput]
+ValueFn = Callable[[Any, PyTree], Any]
 
 
 @jax.jit
@@ -136,6 +162,10 @@ def env_part(
 
     Chunk 0 of an epoch carries ``initial_transition``: the boundary flags of the
     environment's previous chunk ``prev`` (zeros before the first chunk of a run).
+    With ``collect_transitions``, rows whose episode ended in the chunk take
+    ``out.final_obs`` as their next observation (the state the transition led to, not
+    the new episode's reset observation). ``final_values`` is the env's own, if it ran
+    terminal inference; else the policy side adds it (:func:`complete_env_part`).
 
     Args:
       next_obs: an explicit boundary observation when ``out.next_obs`` is ``None``
@@ -147,12 +177,108 @@ def env_part(
     if int(key.chunk_id) == 0:
         flags = prev if prev is not None else jax.tree.map(np.zeros_like, out.transition)
         initial = flags.boundary()
+    override = out.next_obs if out.next_obs is not None else next_obs
+    if out.next_obs is None and out.final_obs is not None and plan.collect_transitions:
+        ended = _ended_rows(out.transition)
+        if ended is not None and ended.any():  # those rows' next state: where they ended
+            base = override if override is not None else out.obs
+            override = _where_rows(ended, out.final_obs, base)
     return EnvPart(
         source=TrajectorySource(key, plan.batch_size, 0),
         transition=out.transition,
-        next_obs=out.next_obs if out.next_obs is not None else next_obs,
+        next_obs=override,
         initial_transition=initial,
         final_values=out.final_values,
+    )
+
+
+def _ended_rows(transition: EnvTransition) -> np.ndarray | None:
+    """``[B]`` bool: rows whose episode ended at any action of the chunk."""
+    done = transition.resolved_dones(np)
+    if done is None:
+        return None
+    done = np.asarray(done)
+    return done.reshape(done.shape[0], -1).any(axis=1) if done.ndim > 1 else done.astype(bool)
+
+
+def _where_rows(rows: np.ndarray, a: PyTree, b: PyTree) -> PyTree:
+    def pick(x, y):
+        x, y = np.asarray(x), np.asarray(y)
+        return np.where(rows.reshape(rows.shape + (1,) * (x.ndim - 1)), x, y)
+
+    return jax.tree.map(pick, a, b)
+
+
+def needs_final_values(plan: TrajectoryPlan, layout: Any, part: EnvPart) -> bool:
+    """Whether the env half ``part`` must carry ``final_values``: the plan keeps values,
+    and the chunk is an epoch's last (the bootstrap ``V(s_T)``) or cuts an episode under
+    ``plan.truncation_bootstrap`` (``gamma * V(final obs)`` enters its reward)."""
+    if layout.env.final_values is None:
+        return False
+    if int(part.source.key.chunk_id) == plan.num_chunks - 1:
+        return True
+    cut = part.transition.cut_flags(plan.truncation_bootstrap, np)
+    return cut is not None and bool(np.any(cut))
+
+
+def complete_env_part(
+    plan: TrajectoryPlan,
+    layout: Any,
+    part: EnvPart,
+    out: EnvStep,
+    value_fn: ValueFn | None,
+    params: Any,
+) -> EnvPart:
+    """Terminal inference on the policy side (the seed's Rollout step 5): the env half
+    with ``final_values = value_fn(params, final_obs)`` where the chunk needs them
+    (:func:`needs_final_values`), with the current parameters. The env worker needs no
+    critic. An env half that carries its own ``final_values``, or a runner without
+    ``value_fn``, is left as it is.
+
+    ``final_obs`` is ``out.final_obs``: where an episode ended in the chunk, the
+    observation it ended on; elsewhere the next observation. Rows that did not end
+    take ``V(next obs)`` (only the last chunk's are read: the bootstrap ``V(s_T)``).
+
+    Raises:
+      ValueError: an episode ended in the chunk but the env gave no ``final_obs``
+        (``V`` of the new episode's reset observation would be silently wrong).
+    """
+    if value_fn is None or part.final_values is not None:
+        return part
+    if not needs_final_values(plan, layout, part):
+        return part
+    obs = out.final_obs
+    if obs is None:
+        ended = _ended_rows(out.transition)
+        if ended is not None and ended.any():
+            raise ValueError(
+                f"chunk {part.source.key.as_tuple()}: rows {np.flatnonzero(ended).tolist()} "
+                "ended an episode but EnvStep.final_obs is None: terminal inference needs "
+                "the observation each episode ended on"
+            )
+        obs = out.obs
+    like = layout.env.final_values
+    values = np.asarray(value_fn(params, obs), like.dtype)
+    return part.replace(final_values=values.reshape(like.shape[layout.lead :]))
+
+
+def check_env(env: Any, collector: TrajectoryCollector) -> None:
+    """An env's spaces against the collector's examples, at a runner's construction: an
+    env that offers ``check_against(policy_example)`` (the :mod:`jaxtraj.envs` adapters)
+    raises ``ValueError`` naming the field and both shapes. Other envs are checked when
+    their first observation arrives (:class:`ObservationCheck`)."""
+    check = getattr(env, "check_against", None)
+    if check is not None:
+        check(policy_example_spec(collector))
+
+
+def policy_example_spec(collector: TrajectoryCollector) -> PolicyPart:
+    """One policy half of the collector's layout, as ``jax.ShapeDtypeStruct`` leaves."""
+    lay = collector.layout
+    one = lambda x: jax.ShapeDtypeStruct(x.shape[lay.lead :], x.dtype)
+    source = TrajectorySource(None, collector.plan.batch_size, 0)
+    return PolicyPart(
+        source, jax.tree.map(one, lay.policy.obs), jax.tree.map(one, lay.policy.output)
     )
 
 

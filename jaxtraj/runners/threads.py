@@ -52,7 +52,10 @@ from jaxtraj.runners.service import (  # noqa: F401  (re-exported: the public na
     ObservationCheck,
     PolicyFn,
     RunnerError,
+    ValueFn,
+    check_env,
     chunk_keys,
+    complete_env_part,
     env_part,
     key_rng,
     key_rngs,
@@ -79,7 +82,13 @@ class AsyncRunner:
       policy_fn: ``policy_fn(params, obs, rng) -> PolicyOutput`` for a batch ``[B, ...]``;
         the runner stamps ``versions`` with the current model version.
       params: the initial policy parameters (version 0).
-      num_steps: training steps to collect (each: every epoch and chunk of the plan).
+      value_fn: ``value_fn(params, obs) -> [B]``, terminal inference on the policy side:
+        the policy worker computes ``final_values = value_fn(params, EnvStep.final_obs)``
+        with the current parameters for the chunks that need them (an epoch's last
+        chunk, chunks that cut an episode), so env workers need no critic. ``None``:
+        env halves carry the env's own ``EnvStep.final_values`` (or none).
+      num_steps: training steps each :meth:`run` collects (each: every epoch and chunk
+        of the plan).
       step_id, stage_id: the first training step, and the stage of every key.
       env_ranks: the env rank of each env; default ``range(len(envs))``.
       seed: base seed of :func:`key_rng` (policy sampling).
@@ -92,11 +101,18 @@ class AsyncRunner:
         it is due and takes parts in due order, so later parts overtake earlier ones,
         from the same producer too; the producers never wait for it.
 
+    A runner carries across calls: each :meth:`run` collects the training steps after
+    the previous one's, from where the environments are (no reset between calls), with
+    the PRNG stream and the model version carried on. Keys and PRNG keys are made one
+    training step at a time, so memory does not grow with ``num_steps``.
+
     Example::
 
-        runner = AsyncRunner(collector, [PointEnv(r) for r in range(2)], policy, params,
-                             num_steps=3, on_flush=lambda q, traj: actor_queue.put(traj))
-        runner.run()                      # blocks; update_policy() from another thread
+        runner = AsyncRunner(collector, envs, policy_fn, params, value_fn=value_fn)
+        for it in range(iterations):
+            items = runner.run(num_steps=1)   # one training step, any order inside
+            params, opt_state = update(params, opt_state, items)
+            runner.update_policy(params)
     """
 
     max_batch: int = 1  # requests one policy call serves (DecoupledRunner batches)
@@ -110,6 +126,7 @@ class AsyncRunner:
         policy_fn: PolicyFn,
         params: Any,
         *,
+        value_fn: ValueFn | None = None,
         num_steps: int = 1,
         step_id: int = 0,
         stage_id: int = 0,
@@ -121,10 +138,14 @@ class AsyncRunner:
         jitter_s: float = 0.0,
     ):
         self.collector, self.plan = collector, collector.plan
-        self.envs, self.policy_fn = list(envs), policy_fn
+        self.envs, self.policy_fn, self.value_fn = list(envs), policy_fn, value_fn
         self.env_ranks = list(range(len(self.envs)) if env_ranks is None else env_ranks)
         if len(self.env_ranks) != len(self.envs):
             raise ValueError(f"{len(self.envs)} envs but {len(self.env_ranks)} env_ranks")
+        if num_steps < 1:
+            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+        for env in self.envs:
+            check_env(env, collector)  # spaces against the examples, before any thread
         self.num_steps, self.step_id, self.stage_id = num_steps, step_id, stage_id
         self.seed, self.on_flush, self.output_queue = seed, on_flush, output_queue
         self.jitter_s = jitter_s
@@ -146,6 +167,9 @@ class AsyncRunner:
         self._layout = collector.layout
         self._obs_check = ObservationCheck(collector)  # once per observation signature
         self._stamp = self._layout.policy.output.versions is not None
+        # Per env: (observation, last chunk's transition) where the last run left it.
+        self._carry: list[tuple[PyTree, Any] | None] = [None] * len(self.envs)
+        self._rng_steps: dict[int, dict] = {}  # step_id -> PRNG key by key tuple
 
     # -- public ----------------------------------------------------------------------
 
@@ -169,11 +193,15 @@ class AsyncRunner:
             return self._version
 
     def keys(self, env_rank: int) -> list[TrajectoryKey]:
-        """The keys env rank ``env_rank`` produces, in order."""
+        """The keys env rank ``env_rank`` produces in the next :meth:`run`, in order."""
         return chunk_keys(self.plan, env_rank, self.step_id, self.num_steps, self.stage_id)
 
-    def run(self) -> list[tuple[str, Any]]:
-        """Collect ``num_steps`` training steps; block until done.
+    def run(self, num_steps: int | None = None) -> list[tuple[str, Any]]:
+        """Collect ``num_steps`` training steps (default: the constructor's) after the
+        previous call's; block until done.
+
+        The environments continue where the previous call left them (the first call
+        resets them), and :attr:`step_id` advances by ``num_steps``.
 
         Returns:
           The flushed ``(queue_key, item)`` pairs when neither ``on_flush`` nor
@@ -181,14 +209,22 @@ class AsyncRunner:
 
         Raises:
           RunnerError: a worker (or the collector, on a rejected part) failed; all
-            threads are stopped and joined first.
+            threads are stopped and joined first. What was collected stays in the
+            collector.
         """
+        n = self.num_steps if num_steps is None else num_steps
+        if n < 1:
+            raise ValueError(f"num_steps must be >= 1, got {n}")
+        self._run_steps = n
         self._stop.clear()
         self._failure = None
         self._consumer = consumer = Consumer(self.collector, self.on_flush, self.output_queue)
-        # Every chunk's PRNG key, in one device call (not one per chunk on the hot path).
-        self._rngs = key_rngs(self.seed, [k for r in self.env_ranks for k in self.keys(r)])
-        total = 2 * len(self.envs) * self.num_steps * self.plan.num_epochs * self.plan.num_chunks
+        self._rng_steps = {}
+        per_env = n * self.plan.num_epochs * self.plan.num_chunks
+        total = 2 * len(self.envs) * per_env
+        # Requests the policy worker serves: one per chunk, plus (non-pipelined) each
+        # env's last chunk's terminal request, or (pipelined) one per chunk's env half.
+        requests = len(self.envs) * (2 * per_env if self.pipelined else per_env + 1)
         self._threads = [
             threading.Thread(
                 target=self._guard,
@@ -201,7 +237,7 @@ class AsyncRunner:
         self._threads.append(
             threading.Thread(
                 target=self._guard,
-                args=("policy_worker", self._policy_worker, total // 2),
+                args=("policy_worker", self._policy_worker, requests),
                 name="jaxtraj-policy_worker",
                 daemon=True,
             )
@@ -244,7 +280,29 @@ class AsyncRunner:
             if isinstance(exc, KeyboardInterrupt):
                 raise exc
             raise RunnerError(worker, key, exc, self.delivered) from exc
+        self.step_id += n
         return consumer.kept
+
+    def _key(self, rank: int, n: int) -> TrajectoryKey:
+        """The ``n``-th key env rank ``rank`` produces in this run (no list of them)."""
+        T, E = self.plan.num_chunks, self.plan.num_epochs
+        s, rest = divmod(n, E * T)
+        return TrajectoryKey(self.step_id + s, rest // T, rank, self.stage_id, rest % T)
+
+    def _rng(self, key: TrajectoryKey) -> np.ndarray:
+        """The chunk's :func:`key_rng`, computed for a whole training step of every rank
+        in one device call when first asked; older steps are dropped (policy worker
+        only)."""
+        step = int(key.step_id)
+        table = self._rng_steps.get(step)
+        if table is None:
+            keys = [
+                k for r in self.env_ranks for k in chunk_keys(self.plan, r, step, 1, self.stage_id)
+            ]
+            table = self._rng_steps[step] = key_rngs(self.seed, keys)
+            for old in [s for s in self._rng_steps if s < step - 1]:
+                del self._rng_steps[old]
+        return table[key.as_tuple()]
 
     # -- workers ---------------------------------------------------------------------
 
@@ -299,35 +357,58 @@ class AsyncRunner:
         self._obs_check(obs, key)
 
     def _env_worker(self, i: int, ctx: dict) -> None:
+        """Env rank ``env_ranks[i]``: request each chunk's actions, execute them, and hand
+        the env half (with what terminal inference needs) to the policy worker, which
+        completes and publishes it: the one producer of the parts, as in the seed."""
         name, env, rank = f"env_worker_{self.env_ranks[i]}", self.envs[i], self.env_ranks[i]
-        rand = random.Random(self.seed * 7919 + 2 * i + 1)
-        keys = self.keys(rank)
-        ctx["key"] = keys[0]
-        obs = env.reset()
-        self._check_obs(obs, keys[0])
-        prev = None
+        count = self._run_steps * self.plan.num_epochs * self.plan.num_chunks
+        key = ctx["key"] = self._key(rank, 0)
+        if self._carry[i] is None:
+            obs, prev = env.reset(), None
+            self._check_obs(obs, key)
+            self._carry[i] = (obs, prev)
+        obs, prev = self._carry[i]
+        pending = None  # (env worker, EnvStep, EnvPart) of the last executed chunk
         if self.pipelined:
-            self._put(self._requests, (i, keys[0], obs), "requests")
-        for n, key in enumerate(keys):
-            ctx["key"] = key
+            self._put(self._requests, (i, key, obs, None), "requests")
+        for n in range(count):
+            key = ctx["key"] = self._key(rank, n)
             if not self.pipelined:
-                self._put(self._requests, (i, key, obs), "requests")
+                # The previous chunk's env half rides with this chunk's request.
+                self._put(self._requests, (i, key, obs, pending), "requests")
+                pending = None
             actions = self._get(self._replies[i])
-            if self.pipelined and n + 1 < len(keys):
+            if self.pipelined and n + 1 < count:
                 # Decoupled: the policy infers the next chunk from this (stale) observation
                 # while the environment executes this chunk.
-                self._put(self._requests, (i, keys[n + 1], obs), "requests")
+                self._put(self._requests, (i, self._key(rank, n + 1), obs, None), "requests")
             out = env.step(key, actions)
             # Decoupled: an explicit boundary, the next policy saw a stale observation.
             part = env_part(self.plan, key, out, prev, out.obs if self.pipelined else None)
             self._check_obs(out.obs, key)
             self._check(part, key)
-            self._publish(name, part, rand)
             obs, prev = out.obs, out.transition
+            self._carry[i] = (obs, prev)
+            pending = (name, out, part)
+            if self.pipelined:
+                self._put(self._requests, (i, None, None, pending), "requests")
+                pending = None
+        if pending is not None:  # the last chunk's terminal request: no actions asked
+            self._put(self._requests, (i, None, None, pending), "requests")
+
+    def _complete(self, pending: tuple, params: Any, rand: random.Random, ctx: dict) -> None:
+        """Terminal inference for an env half (the policy side's), then publish it under
+        the env worker that produced it."""
+        worker, out, part = pending
+        ctx["key"] = part.source.key
+        part = complete_env_part(self.plan, self._layout, part, out, self.value_fn, params)
+        self._check(part, part.source.key)
+        self._publish(worker, part, rand)
 
     def _policy_worker(self, count: int, ctx: dict) -> None:
         rand = random.Random(self.seed * 7919)
         max_batch = self.max_batch
+        bsz = self.plan.batch_size
         served = 0
         while served < count:
             batch = [self._get(self._requests)]
@@ -337,16 +418,21 @@ class AsyncRunner:
                 except queue.Empty:
                     break
             served += len(batch)
-            ctx["key"] = batch[0][1]
             with self._lock:
                 params, version = self._params, self._version
+            for _, _, _, pending in batch:
+                if pending is not None:
+                    self._complete(pending, params, rand, ctx)
+            batch = [b for b in batch if b[1] is not None]  # requests for actions
+            if not batch:
+                continue
+            ctx["key"] = batch[0][1]
             obs = batch[0][2]
             if len(batch) > 1:
                 obs = jax.tree.map(lambda *xs: np.concatenate(xs), *[b[2] for b in batch])
-            output = self.policy_fn(params, obs, self._rngs[batch[0][1].as_tuple()])
+            output = self.policy_fn(params, obs, self._rng(batch[0][1]))
             output = stamp_versions(output, version, self._stamp)
-            bsz = self.plan.batch_size
-            for j, (i, key, o) in enumerate(batch):
+            for j, (i, key, o, _) in enumerate(batch):
                 ctx["key"] = key
                 own = output
                 if len(batch) > 1:
