@@ -16,6 +16,16 @@ BOOTSTRAP = ("truncated", "done", "none")
 class TrajectoryPlan:
     """Sizes, mode and retention settings; static and hashable (a ``jit`` static argument).
 
+    Chunk semantics. The unit of time of the advantage computation is the chunk of ``K``
+    actions, not the action: ``gamma`` discounts one chunk, so a per-action discount
+    ``g`` is ``gamma = g ** K``. Action-level rewards ``[B, K]`` are combined into the
+    chunk's reward by summing them (``action_gamma = 1.0``), or discounted inside the
+    chunk, ``sum_k action_gamma**k r_k`` (with ``action_gamma = g`` and ``gamma = g**K``
+    a chunk's reward and bootstrap are the per-action discounted sums). A chunk is done
+    if any of its actions is. ``Trajectory.rewards`` are training rewards: where an
+    episode was truncated they include ``gamma * V(final obs)`` (``truncation_bootstrap``),
+    added to the reward of the action that ended it.
+
     Attributes:
       num_chunks: ``T``, action chunks per rollout epoch.
       num_epochs: ``E``, rollout epochs per training step.
@@ -39,7 +49,10 @@ class TrajectoryPlan:
         duplicate and ``"reject"``-ed, or, with ``"accept_identical"``, accepted once
         more as a no-op when its data equals what was received (the facade compares;
         different data is still rejected).
-      gamma: discount per chunk.
+      gamma: discount per chunk (``g ** K`` for a per-action discount ``g``).
+      action_gamma: discount of the actions inside a chunk when action-level rewards
+        are combined into the chunk's reward: ``sum_k action_gamma**k r_k``; ``1.0``
+        sums them.
       truncation_bootstrap: where ``compute_rewards`` adds ``gamma * V(final obs)``
         (``EnvPart.final_values``): on ``"truncated"`` actions (default), on any
         ``"done"``, or ``"none"``.
@@ -82,6 +95,7 @@ class TrajectoryPlan:
     queue_key: str = "default"
     resend: str = "reject"
     gamma: float = 0.99
+    action_gamma: float = 1.0
     truncation_bootstrap: str = "truncated"
     gae_lambda: float = 0.95
     advantage: str = "gae"
@@ -112,6 +126,10 @@ class TrajectoryPlan:
             raise ValueError(
                 f"TrajectoryPlan.gamma and gae_lambda must lie in [0, 1], got "
                 f"{self.gamma!r} and {self.gae_lambda!r}"
+            )
+        if not 0.0 < self.action_gamma <= 1.0:
+            raise ValueError(
+                f"TrajectoryPlan.action_gamma must lie in (0, 1], got {self.action_gamma!r}"
             )
         if self.actor_ranks < 1 or self.micro_batch_size < 0:
             raise ValueError(

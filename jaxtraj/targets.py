@@ -24,7 +24,8 @@ class Targets:
     Attributes:
       advantages: GAE advantages (critic-free: discounted returns).
       returns: ``advantages + values`` (critic-free: discounted returns).
-      rewards: chunk-level rewards (action-level rewards summed over the chunk).
+      rewards: chunk-level rewards (action-level rewards summed over the chunk, or
+        discounted inside it with ``plan.action_gamma``).
       dones: ``[E, T+1, B]`` chunk-level dones (any action of the chunk done).
       valid: rows that carry a real sample: all of them with ``auto_reset``;
         otherwise rows before the environment's first done of the epoch.
@@ -37,15 +38,23 @@ class Targets:
     valid: jax.Array
 
 
-def chunk_level(traj: Trajectory) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+def chunk_level(
+    traj: Trajectory, action_gamma: float = 1.0
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """``(rewards [E, T, B], dones [E, T+1, B], values [E, T+1, B] or None)``.
 
-    Action-level rewards ``[E, T, B, K]`` are summed over the chunk; a chunk is done
-    if any of its actions is (an auto-reset inside the chunk ends the episode there).
-    Values shaped ``[..., 1]`` are squeezed.
+    Action-level rewards ``[E, T, B, K]`` are combined over the chunk as
+    ``r_t = sum_k action_gamma**k r_{t,k}`` (``1.0``: summed); a chunk is done if any
+    of its actions is (an auto-reset inside the chunk ends the episode there). Values
+    shaped ``[..., 1]`` are squeezed.
     """
     rewards = traj.rewards
     if rewards.ndim == 4:
+        if action_gamma != 1.0:
+            k = rewards.shape[-1]
+            rewards = rewards * (action_gamma ** jnp.arange(k, dtype=rewards.dtype)).reshape(
+                1, 1, 1, k
+            )
         rewards = rewards.sum(axis=-1)
     dones = traj.dones
     if dones.ndim == 4:
@@ -70,7 +79,7 @@ def trajectory_targets(
         set, rows whose oldest action came from a version more than that many
         versions older are not ``valid`` (masked out of the loss and normalisation).
     """
-    rewards, dones, values = chunk_level(traj)
+    rewards, dones, values = chunk_level(traj, plan.action_gamma)
     swap = lambda x: jnp.swapaxes(x, 0, 1)  # [E, T, B] -> [T, E, B]: time-major, epochs batched
     if plan.advantage == "gae" and values is not None:
         a, r = adv_lib.gae(

@@ -122,7 +122,9 @@ def test_a_done_in_the_middle_of_a_chunk():
             term = np.array([[t == 1, False]])
             no = np.zeros((1, 2), bool)
             tr = p.transition.replace(
-                rewards=np.array([[p.transition.rewards[0], 0.0]], np.float32), terminations=term, truncations=no
+                rewards=np.array([[p.transition.rewards[0], 0.0]], np.float32),
+                terminations=term,
+                truncations=no,
             )
             initial = EnvTransition(terminations=no, truncations=no) if t == 0 else None
             ps[i] = p.replace(transition=tr, initial_transition=initial)
@@ -143,7 +145,9 @@ def test_reward_model_signal_of_another_batch_is_rejected():
     plan = jaxtraj.TrajectoryPlan(num_chunks=3, batch_size=1)
     ps = parts(rm=(1.0, 0.0, -1.0))
     c = jaxtraj.TrajectoryCollector(plan, ps[0], ps[1])
-    bad = ps[3].replace(transition=ps[3].transition.replace(reward_model_output=np.zeros((2,), np.float32)))
+    bad = ps[3].replace(
+        transition=ps[3].transition.replace(reward_model_output=np.zeros((2,), np.float32))
+    )
     with pytest.raises(jaxtraj.CollectorError, match="reward_model_output") as info:
         c.add(bad)
     assert info.value.code == jaxtraj.ErrorCode.STRUCTURE_MISMATCH
@@ -153,6 +157,35 @@ def test_reward_model_signal_of_another_batch_is_rejected():
 
 
 def test_env_reward_weight_applies_without_a_reward_model():
-    plan = jaxtraj.TrajectoryPlan(num_chunks=3, batch_size=1, env_reward_weight=0.5, truncation_bootstrap="none")
+    plan = jaxtraj.TrajectoryPlan(
+        num_chunks=3, batch_size=1, env_reward_weight=0.5, truncation_bootstrap="none"
+    )
     traj = collect(plan, parts())
     np.testing.assert_allclose(traj.rewards[0, :, 0], [0.5, 1.0, 1.5])
+
+
+def test_action_gamma_discounts_inside_the_chunk_and_gamma_per_chunk():
+    """Per-action discount g: gamma = g**K between chunks, action_gamma = g inside one; the
+    chunk-level returns then equal the per-action discounted returns at chunk starts."""
+    g, K = 0.9, 2
+    rewards = np.array([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], np.float32)  # [T, K]
+    ps = parts(truncated_at=-1)
+    for i, p in enumerate(ps):
+        if isinstance(p, EnvPart):
+            no = np.zeros((1, K), bool)
+            tr = p.transition.replace(
+                rewards=rewards[i // 2][None], terminations=no, truncations=no
+            )
+            ps[i] = p.replace(transition=tr, initial_transition=tr.boundary() if i == 1 else None)
+    plan = jaxtraj.TrajectoryPlan(
+        num_chunks=3, batch_size=1, gamma=g**K, action_gamma=g, advantage="returns"
+    )
+    tg = jaxtraj.trajectory_targets(plan, collect(plan, ps))
+    flat = rewards.reshape(-1)
+    per_action = [sum(g**j * r for j, r in enumerate(flat[k:])) for k in range(0, 6, K)]
+    np.testing.assert_allclose(tg.returns[0, :, 0], per_action, rtol=1e-5)
+    summed = jaxtraj.TrajectoryPlan(num_chunks=3, batch_size=1, gamma=g**K, advantage="returns")
+    tg = jaxtraj.trajectory_targets(summed, collect(summed, ps))
+    np.testing.assert_allclose(tg.rewards[0, :, 0], rewards.sum(1))  # the default: summed
+    with pytest.raises(ValueError, match="action_gamma"):
+        jaxtraj.TrajectoryPlan(num_chunks=3, action_gamma=0.0)
