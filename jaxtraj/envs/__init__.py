@@ -1,0 +1,22 @@
+"""Host simulators as runner environments: adapters to the
+:class:`~jaxtraj.runners.service.Env` protocol.
+
+- :class:`GymnasiumEnv`: a gymnasium (>= 1.1) ``VectorEnv`` (``SyncVectorEnv``,
+  ``AsyncVectorEnv``), any autoreset mode (the ``gymnasium`` extra);
+- :class:`EnvPoolEnv`: an EnvPool pool, host API (the ``envpool`` extra).
+
+Both execute an action chunk ``[B, K, A]`` as ``K`` steps with the synchronous
+runner's semantics (an episode that ends mid-chunk is reset at once and the chunk's
+remaining actions run in the new one), cast at the boundary, and describe themselves
+with :meth:`~GymnasiumEnv.spec` (an :class:`EnvSpec`), from which :func:`example_parts`
+builds the collector's example halves. :meth:`~GymnasiumEnv.check_against` checks an
+adapter against the collector's examples.
+
+Importing this package needs neither gymnasium nor EnvPool: each adapter imports its
+library when constructed, and says which extra to install when it is missing.
+"""
+
+from jaxtraj.envs.envpool import EnvPoolEnv
+from jaxtraj.envs.gymnasium import EnvSpec, GymnasiumEnv, check_spec, example_parts
+
+__all__ = ["EnvPoolEnv", "EnvSpec", "GymnasiumEnv", "check_spec", "example_parts"]

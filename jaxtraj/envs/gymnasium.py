@@ -1,0 +1,625 @@
+"""A gymnasium ``VectorEnv`` as a runner's :class:`~jaxtraj.runners.service.Env`.
+
+:class:`GymnasiumEnv` executes one action chunk ``[B, K, A]`` as ``K`` steps of a
+gymnasium (>= 1.1) vector env of ``B`` sub-environments and reports what happened as an
+:class:`~jaxtraj.runners.service.EnvStep`: per-action rewards, terminations and
+truncations ``[B, K]``, the observation the next chunk's policy sees, the observation an
+episode ended on (``final_obs``, for terminal inference on the policy side) and, when
+asked, the observation each action was taken from (``action_obs``) and per-action
+``info`` values.
+
+Chunk semantics (the same as the in-jit synchronous runner's, which auto-resets inside
+its chunk scan):
+
+- every action of the chunk is executed;
+- an environment whose episode ends at action ``k`` is reset at once, and its actions
+  ``k + 1 ..`` run in the new episode (action ``k + 1``'s observation is the new
+  episode's first);
+- flags are per action ``[B, K]``: a chunk is done if any of its actions is;
+- ``final_obs`` is, per environment, the observation its last episode in the chunk
+  ended on, or ``obs`` where no episode ended.
+
+The vector env's autoreset mode (``metadata["autoreset_mode"]``) is served as follows,
+and all three give the same trajectory from the same seeds and actions:
+
+- ``SAME_STEP``: native; the ended episode's observation is ``info["final_obs"]``;
+- ``NEXT_STEP`` and ``DISABLED``: the ended environments are reset right after the step
+  with ``reset(options={"reset_mask": done})``, which continues each sub-environment's
+  random stream as an autoreset would and clears a pending ``NEXT_STEP`` autoreset.
+
+Casting happens once, here at the boundary: float observation leaves to ``obs_dtype``
+(integer leaves such as ``uint8`` images keep their dtype), rewards to ``reward_dtype``,
+actions to the action space's dtype. Non-finite values are not touched (a NaN stays a
+NaN, a float64 beyond the float32 range becomes ``inf``): the collector's checks see
+them as the environment gave them.
+
+This module imports no gymnasium at import time; it also holds what
+:class:`~jaxtraj.envs.EnvPoolEnv` shares (:class:`EnvSpec`, :func:`example_parts`).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxtraj.types import (
+    EnvPart,
+    EnvTransition,
+    PolicyOutput,
+    PolicyPart,
+    TrajectoryKey,
+    TrajectorySource,
+)
+
+PyTree = Any
+
+# The gymnasium release that added autoreset modes and reset(options={"reset_mask": ...}).
+_GYMNASIUM_MIN = (1, 1)
+
+
+def require(module: str, extra: str, who: str) -> Any:
+    """Import ``module``, or raise ImportError naming the jaxtraj extra that installs it."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] != module.split(".")[0]:
+            raise
+        raise ImportError(
+            f"{who} needs the {extra} extra (pip install 'jaxtraj[{extra}]'): {e}"
+        ) from e
+
+
+# --------------------------------------------------------------------------- spec
+
+
+@dataclass(frozen=True)
+class EnvSpec:
+    """What an adapter produces and takes, as ``jax.ShapeDtypeStruct`` trees (after
+    casting): enough to build the collector's example halves without running anything.
+
+    Attributes:
+      obs: the observation tree, leaves ``[B, ...]`` (also ``final_obs``'s).
+      actions: the action chunk ``[B, K, *action_shape]`` in the action space's dtype
+        (what the env executes; a policy may give any dtype that casts to it).
+      transition: an :class:`EnvTransition` of rewards, terminations and truncations
+        ``[B, K]``.
+      action_obs: leaves ``[B, K, ...]`` when the adapter keeps per-action
+        observations, else ``None``.
+    """
+
+    obs: PyTree
+    actions: jax.ShapeDtypeStruct
+    transition: EnvTransition
+    action_obs: PyTree = None
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.actions.shape[0])
+
+    @property
+    def actions_per_chunk(self) -> int:
+        return int(self.actions.shape[1])
+
+
+def _zeros(tree: PyTree) -> PyTree:
+    return jax.tree.map(lambda s: np.zeros(np.shape(s), _dtype(s)), tree)
+
+
+def _dtype(x: Any) -> np.dtype:
+    return np.dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype
+
+
+def example_parts(
+    env: Any, plan: Any, policy_output: PolicyOutput, key: TrajectoryKey | None = None
+) -> tuple[PolicyPart, EnvPart]:
+    """Zero-filled example halves for ``TrajectoryCollector(plan, policy_example,
+    env_example)`` from an adapter's :meth:`spec` and one policy output example.
+
+    Args:
+      env: a :class:`GymnasiumEnv` or :class:`~jaxtraj.envs.EnvPoolEnv` (or its
+        :class:`EnvSpec`).
+      plan: the :class:`~jaxtraj.TrajectoryPlan`; its ``batch_size`` must be the env's.
+      policy_output: a :class:`~jaxtraj.PolicyOutput` example (arrays or
+        ``jax.ShapeDtypeStruct`` leaves, e.g. from ``jax.eval_shape`` of the policy).
+      key: the examples' key (default ``TrajectoryKey(0, 0, 0, 0, 0)``).
+
+    Returns:
+      ``(PolicyPart, EnvPart)``: the policy half's observation is the env's (cast);
+      the env half is chunk 0's, with ``initial_transition`` and, when the policy
+      output has ``prev_values``, ``final_values`` zeros ``[B]`` float32.
+
+    Raises:
+      ValueError: the policy's actions or the plan's batch size do not fit the env.
+    """
+    spec = env if isinstance(env, EnvSpec) else env.spec()
+    B = spec.batch_size
+    if int(plan.batch_size) != B:
+        raise ValueError(f"the plan's batch_size is {plan.batch_size}, the env has {B} envs")
+    key = key if key is not None else TrajectoryKey(0, 0, 0, 0, 0)
+    src = TrajectorySource(key, B, 0)
+    out = _zeros(policy_output)
+    policy = PolicyPart(src, _zeros(spec.obs), out)
+    _check_actions(spec, out.actions)
+    tr = _zeros(spec.transition)
+    final = np.zeros((B,), np.float32) if out.prev_values is not None else None
+    return policy, EnvPart(src, tr, initial_transition=tr.boundary(), final_values=final)
+
+
+def _path_name(path: tuple) -> str:
+    parts = [str(getattr(p, "key", getattr(p, "idx", getattr(p, "name", p)))) for p in path]
+    return "/".join(parts)
+
+
+def _describe(x: Any) -> str:
+    return f"{tuple(np.shape(x))} {_dtype(x)}"
+
+
+def _check_tree(name: str, env_tree: PyTree, example: PyTree, *, check_dtype: bool = True):
+    """``env_tree`` (the env's, ShapeDtypeStruct leaves) against a collector example."""
+    e_leaves, e_def = jax.tree_util.tree_flatten_with_path(env_tree)
+    x_leaves, x_def = jax.tree_util.tree_flatten_with_path(example)
+    if e_def != x_def:
+        names = lambda leaves: [_path_name(p) or "<array>" for p, _ in leaves]
+        raise ValueError(
+            f"{name}: env gives {names(e_leaves)}, the collector's example has {names(x_leaves)}"
+        )
+    for (path, e), (_, x) in zip(e_leaves, x_leaves):
+        same_dtype = not check_dtype or _dtype(e) == _dtype(x)
+        if tuple(np.shape(e)) != tuple(np.shape(x)) or not same_dtype:
+            where = _path_name(path)
+            label = f"{name} {where!r}" if where else name
+            raise ValueError(
+                f"{label}: env gives {_describe(e)}, the collector's example has {_describe(x)}"
+            )
+
+
+def _check_actions(spec: EnvSpec, actions: Any) -> None:
+    want = spec.actions
+    if tuple(np.shape(actions)) != tuple(want.shape):
+        B, K = want.shape[:2]
+        raise ValueError(
+            f"actions: env takes {tuple(want.shape)} (B={B} envs, a chunk of K={K} actions "
+            f"of {tuple(want.shape[2:])}), the collector's example has {_describe(actions)}"
+        )
+
+
+def _strip_lead(tree: PyTree, lead: int) -> PyTree:
+    """Buffer leaves ``[*lead, B, ...]`` -> ShapeDtypeStruct ``[B, ...]``."""
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(tuple(s.shape[lead:]), s.dtype), tree)
+
+
+def check_spec(spec: EnvSpec, example: Any) -> None:
+    """Check an adapter's :class:`EnvSpec` against the collector's examples.
+
+    ``example``: a :class:`~jaxtraj.TrajectoryCollector` (its layout), a
+    :class:`~jaxtraj.PolicyPart`, or a ``(PolicyPart, EnvPart)`` pair. Compares the
+    observation tree (structure, shapes ``[B, ...]``, dtypes after casting), the action
+    chunk's shape (any dtype: actions are cast), and, when an env example is at hand,
+    the rewards' and flags' shapes and dtypes.
+
+    Raises:
+      ValueError: naming the field and both shapes, e.g. ``observation 'state': env
+        gives (4, 11) float32, the collector's example has (4, 17) float32``.
+    """
+    env_example = None
+    if hasattr(example, "layout") and hasattr(example, "plan"):  # a TrajectoryCollector
+        lay = example.layout
+        obs, actions = _strip_lead(lay.policy.obs, lay.lead), lay.policy.output.actions
+        actions = _strip_lead(actions, lay.lead)
+        env_example = _strip_lead(lay.env.transition, lay.lead)
+    else:
+        if isinstance(example, tuple):
+            example, env_part = example
+            env_example = env_part.transition
+        if not isinstance(example, PolicyPart):
+            raise TypeError(
+                "check_against takes a TrajectoryCollector, a PolicyPart or a "
+                f"(PolicyPart, EnvPart) pair, got {type(example).__name__}"
+            )
+        obs, actions = example.obs, example.output.actions
+    _check_tree("observation", spec.obs, obs)
+    _check_actions(spec, actions)
+    if env_example is not None:
+        for field in ("rewards", "terminations", "truncations"):
+            want = getattr(env_example, field)
+            if want is not None:
+                _check_tree(field, getattr(spec.transition, field), want)
+
+
+# --------------------------------------------------------------------------- chunks
+
+
+def cast_obs(x: Any, obs_dtype: np.dtype) -> np.ndarray:
+    """One observation leaf as a fresh array: floats to ``obs_dtype``, others kept."""
+    x = np.asarray(x)
+    dtype = obs_dtype if np.issubdtype(x.dtype, np.floating) else x.dtype
+    with np.errstate(over="ignore", invalid="ignore"):  # inf / NaN pass through
+        return np.array(x, dtype=dtype, copy=True)
+
+
+def _rows_where(mask: np.ndarray, x: PyTree, y: PyTree) -> PyTree:
+    def pick(a, b):
+        return np.where(mask.reshape(mask.shape + (1,) * (a.ndim - 1)), a, b)
+
+    return jax.tree.map(pick, x, y)
+
+
+class ChunkEnv:
+    """What the adapters share: chunk execution over a one-step function, casting,
+    the spec, the spaces check. Subclasses set the attributes below and implement
+    :meth:`_reset_all` and :meth:`_step_once`."""
+
+    num_envs: int
+    actions_per_chunk: int
+    per_action_obs: bool
+    info_keys: tuple[str, ...]
+    _obs_spec: PyTree  # ShapeDtypeStruct leaves [B, ...], after casting
+    _action_shape: tuple[int, ...]
+    _action_dtype: np.dtype
+    _reward_dtype: np.dtype
+    _convert: Callable[[Any], PyTree]  # the env's observation -> our cast tree
+
+    def _setup(self, *, actions_per_chunk, per_action_obs, info_keys, reward_dtype):
+        if int(actions_per_chunk) < 1:
+            raise ValueError(f"actions_per_chunk must be >= 1, got {actions_per_chunk}")
+        if isinstance(info_keys, str):
+            info_keys = (info_keys,)
+        self.actions_per_chunk = int(actions_per_chunk)
+        self.per_action_obs = bool(per_action_obs)
+        self.info_keys = tuple(info_keys)
+        self._reward_dtype = np.dtype(reward_dtype)
+        self._info_dtypes: dict[str, np.dtype] = {}
+        self._obs = None
+
+    # ------------------------------------------------------------------ public
+
+    def spec(self) -> EnvSpec:
+        """Shapes and dtypes of what this env produces and takes (see :class:`EnvSpec`)."""
+        B, K = self.num_envs, self.actions_per_chunk
+        flags = jax.ShapeDtypeStruct((B, K), np.dtype(bool))
+        transition = EnvTransition(
+            rewards=jax.ShapeDtypeStruct((B, K), self._reward_dtype),
+            terminations=flags,
+            truncations=flags,
+        )
+        action_obs = None
+        if self.per_action_obs:
+            action_obs = jax.tree.map(
+                lambda s: jax.ShapeDtypeStruct((B, K, *s.shape[1:]), s.dtype), self._obs_spec
+            )
+        return EnvSpec(
+            obs=self._obs_spec,
+            actions=jax.ShapeDtypeStruct((B, K, *self._action_shape), self._action_dtype),
+            transition=transition,
+            action_obs=action_obs,
+        )
+
+    def check_against(self, example: Any) -> None:
+        """Check this env against the collector's examples; see :func:`check_spec`.
+
+        ``example``: the :class:`~jaxtraj.TrajectoryCollector`, a policy example
+        :class:`~jaxtraj.PolicyPart`, or a ``(PolicyPart, EnvPart)`` pair.
+
+        Raises:
+          ValueError: naming the field and both shapes and dtypes.
+        """
+        check_spec(self.spec(), example)
+
+    def reset(self) -> PyTree:
+        """Reset every environment; the first observation, leaves ``[B, ...]``."""
+        self._obs = self._reset_all()
+        return self._obs
+
+    def step(self, key: TrajectoryKey | None, actions: Any):
+        """Execute one chunk ``[B, K, *action_shape]``; see the module docstring.
+
+        ``key`` names the chunk; it does not change what is executed (randomness is the
+        environments' own, continued from their seeds).
+        """
+        from jaxtraj.runners.service import EnvStep
+
+        if self._obs is None:
+            raise RuntimeError(f"{type(self).__name__}.step before reset()")
+        B, K = self.num_envs, self.actions_per_chunk
+        want = (B, K, *self._action_shape)
+        if tuple(np.shape(actions)) != want:
+            raise ValueError(
+                f"actions: env takes {want} (B={B} envs, a chunk of K={K} actions of "
+                f"{self._action_shape}), got {tuple(np.shape(actions))}"
+            )
+        actions = np.asarray(actions, dtype=self._action_dtype)
+        rewards = np.zeros((B, K), self._reward_dtype)
+        terms, truncs = np.zeros((B, K), bool), np.zeros((B, K), bool)
+        info = {name: [None] * K for name in self.info_keys}
+        obs = self._obs
+        action_obs = [] if self.per_action_obs else None
+        final, ended = None, np.zeros((B,), bool)
+        for k in range(K):
+            if action_obs is not None:
+                action_obs.append(obs)
+            obs, r, term, trunc, last, inf = self._step_once(actions[:, k])
+            with np.errstate(over="ignore", invalid="ignore"):
+                rewards[:, k] = r
+            terms[:, k], truncs[:, k] = term, trunc
+            done = term | trunc
+            if done.any():  # the last episode end of the chunk wins
+                final = last if final is None else _rows_where(done, last, final)
+                ended |= done
+            for name in self.info_keys:
+                info[name][k] = inf.get(name)
+        self._obs = obs
+        final_obs = obs if final is None else _rows_where(ended, final, obs)
+        if action_obs is not None:
+            action_obs = jax.tree.map(lambda *xs: np.stack(xs, axis=1), *action_obs)
+        return EnvStep(
+            transition=EnvTransition(rewards=rewards, terminations=terms, truncations=truncs),
+            obs=obs,
+            final_obs=final_obs,
+            action_obs=action_obs,
+            info=self._stack_info(info) if self.info_keys else None,
+        )
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ------------------------------------------------------------------ helpers
+
+    def _stack_info(self, info: dict[str, list]) -> dict[str, np.ndarray]:
+        """Per-action ``(values [B], present [B])`` -> ``[B, K]``, zero where absent.
+
+        A key keeps the dtype it first came with; never seen: float32 zeros.
+        """
+        B, K = self.num_envs, self.actions_per_chunk
+        out = {}
+        for name, per_action in info.items():
+            for got in per_action:
+                if got is not None and name not in self._info_dtypes:
+                    self._info_dtypes[name] = np.asarray(got[0]).dtype
+            arr = np.zeros((B, K), self._info_dtypes.get(name, np.dtype(np.float32)))
+            for k, got in enumerate(per_action):
+                if got is not None:
+                    values, present = got
+                    arr[present, k] = np.asarray(values)[present]
+            out[name] = arr
+        return out
+
+    def _reset_all(self) -> PyTree:
+        raise NotImplementedError
+
+    def _step_once(self, actions: np.ndarray) -> tuple:
+        """One step of every env -> ``(obs, rewards [B], terminations [B],
+        truncations [B], last_obs, info)``: ``obs`` after resetting the ended envs,
+        ``last_obs`` the step's observation before any reset (read on ended rows), and
+        ``info`` ``{name: (values [B], present [B] bool)}`` for the kept info keys."""
+        raise NotImplementedError
+
+
+def space_spec(space: Any, batch: int, obs_dtype: np.dtype, obs_key: str | None) -> PyTree:
+    """A single-env observation space -> ShapeDtypeStruct tree ``[B, ...]`` after casting.
+
+    A Box-like space (``shape`` and ``dtype``) becomes ``{obs_key: leaf}`` (the leaf
+    alone when ``obs_key`` is ``None``); a Dict-like space (``spaces``) a dict.
+    """
+
+    def one(s, path):
+        subspaces = getattr(s, "spaces", None)
+        if isinstance(subspaces, dict) or (subspaces is not None and hasattr(subspaces, "items")):
+            return {k: one(v, f"{path}/{k}") for k, v in subspaces.items()}
+        if subspaces is not None or getattr(s, "shape", None) is None or s.dtype is None:
+            raise ValueError(
+                f"observation space {path or ''}{s!r}: only Box-like (shape, dtype) and Dict "
+                "spaces are supported"
+            )
+        dtype = np.dtype(s.dtype)
+        dtype = np.dtype(obs_dtype) if np.issubdtype(dtype, np.floating) else dtype
+        return jax.ShapeDtypeStruct((batch, *s.shape), dtype)
+
+    tree = one(space, "")
+    if not isinstance(tree, dict) and obs_key is not None:
+        tree = {obs_key: tree}
+    return tree
+
+
+def obs_converter(obs_dtype: np.dtype, obs_key: str | None, is_dict: bool) -> Callable:
+    """The env's observation (array or nested mapping) -> our cast tree of fresh arrays."""
+    obs_dtype = np.dtype(obs_dtype)
+
+    def conv(x):
+        if hasattr(x, "items"):
+            return {k: conv(v) for k, v in x.items()}
+        return cast_obs(x, obs_dtype)
+
+    if is_dict or obs_key is None:
+        return conv
+    return lambda x: {obs_key: conv(x)}
+
+
+def info_rows(src: Any, name: str, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(values, present)`` of a gymnasium-style vector ``info[name]`` (masked by
+    ``info["_" + name]``) restricted to ``rows``; ``None`` if absent."""
+    if not src or name not in src:
+        return None
+    values = np.asarray(src[name])
+    present = np.asarray(src.get("_" + name, np.ones(rows.shape, bool)), bool) & rows
+    return values, present
+
+
+def merge_info(parts: Sequence[tuple[np.ndarray, np.ndarray] | None]):
+    """Several ``(values, present)`` over disjoint rows -> one (``None`` if all absent)."""
+    parts = [p for p in parts if p is not None]
+    if not parts:
+        return None
+    values, present = np.array(parts[0][0], copy=True), parts[0][1].copy()
+    for v, p in parts[1:]:
+        if values.dtype != np.asarray(v).dtype:
+            values = values.astype(np.result_type(values, np.asarray(v)))
+        values[p] = np.asarray(v)[p]
+        present |= p
+    return values, present
+
+
+# --------------------------------------------------------------------------- gymnasium
+
+
+class GymnasiumEnv(ChunkEnv):
+    """A gymnasium (>= 1.1) ``VectorEnv`` of ``B`` sub-environments stepped ``K``
+    actions per chunk: a runner's :class:`~jaxtraj.runners.service.Env`.
+
+    One chunk ``[B, K, A]`` is ``K`` vector-env steps. Every action is executed; an
+    environment whose episode ends at action ``k`` is reset at once and runs actions
+    ``k + 1 ..`` in its new episode (what the in-jit synchronous runner does); flags are
+    per action ``[B, K]``. ``SAME_STEP``, ``NEXT_STEP`` and ``DISABLED`` autoreset modes
+    all give this (``NEXT_STEP`` / ``DISABLED`` by resetting ended envs right after the
+    step with ``reset_mask``), the same trajectory from the same seeds and actions.
+
+    Casting, once here: float observation leaves to ``obs_dtype`` (integer leaves such
+    as images keep theirs), rewards to ``reward_dtype``, actions to the action space's
+    dtype (Hopper-v5: float32; whatever the policy gives is cast). Actions are not
+    clipped to the action space.
+
+    Args:
+      vector_env: a ``gymnasium.vector.VectorEnv`` (``SyncVectorEnv``,
+        ``AsyncVectorEnv``, or one that serves ``metadata["autoreset_mode"]`` and
+        ``reset(options={"reset_mask": ...})`` like them).
+      actions_per_chunk: ``K``.
+      obs_dtype, reward_dtype: the dtypes float observations and rewards are cast to.
+      obs_key: a Box observation becomes ``{obs_key: array}`` (the array alone if
+        ``None``); a Dict observation space gives a dict of arrays.
+      per_action_obs: also report ``action_obs`` ``[B, K, ...]``.
+      info_keys: ``info`` entries kept per action as ``EnvStep.info[name]`` ``[B, K]``
+        (zero where an env did not report it; the step's own info, also on the action
+        that ended an episode).
+      seed: the first :meth:`reset` seeds sub-env ``i`` with ``seed + i``; later resets
+        take no seed.
+      policy_example: a collector, policy example or ``(policy, env)`` example pair to
+        check the spaces against at construction (:meth:`check_against`).
+
+    Raises:
+      ValueError: an autoreset mode this adapter cannot serve, an unsupported
+        observation space, or spaces that do not match ``policy_example``.
+      ImportError: gymnasium is not installed (the ``gymnasium`` extra).
+    """
+
+    def __init__(
+        self,
+        vector_env: Any,
+        *,
+        actions_per_chunk: int,
+        obs_dtype: Any = np.float32,
+        reward_dtype: Any = np.float32,
+        obs_key: str | None = "state",
+        per_action_obs: bool = False,
+        info_keys: Sequence[str] = (),
+        seed: int | None = None,
+        policy_example: Any = None,
+    ):
+        gym = require("gymnasium", "gymnasium", "jaxtraj.envs.GymnasiumEnv")
+        vector = importlib.import_module("gymnasium.vector")
+        if not isinstance(vector_env, vector.VectorEnv):
+            raise TypeError(
+                f"GymnasiumEnv takes a gymnasium.vector.VectorEnv, got {type(vector_env).__name__}"
+                " (gymnasium.make_vec(...) makes one)"
+            )
+        self._setup(
+            actions_per_chunk=actions_per_chunk,
+            per_action_obs=per_action_obs,
+            info_keys=info_keys,
+            reward_dtype=reward_dtype,
+        )
+        self.env = vector_env
+        self.num_envs = int(vector_env.num_envs)
+        self.seed = seed
+        self._mode = self._serve_mode(gym, vector, vector_env)
+        space = vector_env.single_observation_space
+        self._obs_spec = space_spec(space, self.num_envs, np.dtype(obs_dtype), obs_key)
+        is_dict = isinstance(space, gym.spaces.Dict)
+        self._convert = obs_converter(np.dtype(obs_dtype), obs_key, is_dict)
+        act = vector_env.single_action_space
+        self._action_shape = tuple(act.shape)
+        self._action_dtype = np.dtype(act.dtype)
+        self._seeded = False
+        if policy_example is not None:
+            self.check_against(policy_example)
+
+    @staticmethod
+    def _serve_mode(gym: Any, vector: Any, vector_env: Any) -> str:
+        version = tuple(int(p) for p in gym.__version__.split(".")[:2] if p.isdigit())
+        mode = vector_env.metadata.get("autoreset_mode")
+        modes = getattr(vector, "AutoresetMode", None)
+        served = "SAME_STEP, NEXT_STEP and DISABLED (gymnasium >= 1.1)"
+        if modes is None or version < _GYMNASIUM_MIN:
+            raise ValueError(
+                f"autoreset mode {mode if mode is not None else 'NEXT_STEP'!s} of gymnasium "
+                f"{gym.__version__} cannot be served: it has no reset(options={{'reset_mask': "
+                f"...}}); served: {served}"
+            )
+        if mode is None:
+            mode = modes.NEXT_STEP  # gymnasium's default for vector envs without the tag
+        try:
+            mode = modes(mode)
+        except ValueError:
+            raise ValueError(
+                f"autoreset mode {mode!r} cannot be served; served: {served}"
+            ) from None
+        return mode.name  # "SAME_STEP", "NEXT_STEP" or "DISABLED"
+
+    @property
+    def autoreset_mode(self) -> str:
+        """The vector env's autoreset mode: ``"SAME_STEP"``, ``"NEXT_STEP"`` or
+        ``"DISABLED"``."""
+        return self._mode
+
+    def _reset_all(self) -> PyTree:
+        seed = None if self._seeded else self.seed
+        obs, _ = self.env.reset(seed=seed)
+        self._seeded = True
+        return self._convert(obs)
+
+    def _step_once(self, actions: np.ndarray) -> tuple:
+        raw, r, term, trunc, info = self.env.step(actions)
+        term, trunc = np.asarray(term, bool), np.asarray(trunc, bool)
+        done = term | trunc
+        obs = self._convert(raw)
+        last, kept = obs, {}
+        if self._mode == "SAME_STEP":
+            # Ended rows: obs is the new episode's, info its reset info; the step's
+            # observation and info are under final_obs / final_info.
+            if done.any():
+                last = jax.tree.map(np.copy, obs)
+                for i in np.flatnonzero(np.asarray(info["_final_obs"], bool) & done):
+                    _set_row(last, i, self._convert(info["final_obs"][i]))
+            final_info = info.get("final_info", {}) if done.any() else {}
+            for name in self.info_keys:
+                got = merge_info([info_rows(info, name, ~done), info_rows(final_info, name, done)])
+                if got is not None:
+                    kept[name] = got
+        else:
+            for name in self.info_keys:
+                got = info_rows(info, name, np.ones(done.shape, bool))
+                if got is not None:
+                    kept[name] = got
+            if done.any():
+                raw, _ = self.env.reset(options={"reset_mask": done.copy()})
+                obs = self._convert(raw)
+        return obs, r, term, trunc, last, kept
+
+    def close(self) -> None:
+        """Close the vector env."""
+        self.env.close()
+
+
+def _set_row(tree: PyTree, i: int, one: PyTree) -> None:
+    """``tree[..][i] = one[..]`` leaf by leaf (``one``: a single env's observation)."""
+    for leaf, x in zip(jax.tree.leaves(tree), jax.tree.leaves(one)):
+        leaf[i] = x
