@@ -2,8 +2,10 @@
 
 For JAX environments in gymnax's style (``env.reset(key, params) -> (obs, state)``,
 ``env.step(key, state, action, params)``, auto-resetting), vmapped over ``B``
-environments. One call of :func:`collect` runs a whole training step of one source:
-for each of ``E`` epochs and ``T`` chunks it
+environments, or for a batched env driver (:class:`EnvDriver`, e.g.
+:class:`jaxtraj.envs.envpool_xla.EnvPoolXla`, EnvPool's MuJoCo stepped through its XLA
+interface inside the same scan): every function below takes either as ``env``. One
+call of :func:`collect` runs a whole training step of one source: for each of ``E`` epochs and ``T`` chunks it
 
 1. runs policy inference, ``policy_fn(params, obs, key) -> PolicyOutput`` (actions
    ``[B, K, A]``, ``prev_logprobs``, ``prev_values [B]``);
@@ -30,12 +32,20 @@ used if the environment provides them).
 
 :func:`rollout_stacked` runs the same rollout but only stacks the parts with
 ``lax.scan`` (no collector): the baseline that ``benchmarks/rollout.py`` compares with.
+
+Env drivers. An object with ``step_chunk`` is taken as an :class:`EnvDriver` (its
+``env_params`` argument is then ignored: pass ``None``): ``init(rng) -> (env_state,
+obs)`` starts ``num_envs`` environments (may run on the host, outside ``jit``),
+``spec()`` gives the shapes and dtypes of ``init``'s results without running anything,
+and ``step_chunk(env_state, actions [B, K, A], rng) -> (env_state, obs, rewards [B, K],
+terminations [B, K], truncations [B, K], final_obs)`` executes a chunk, traceable. A
+gymnax environment is wrapped in the same protocol internally (:class:`GymnaxDriver`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -78,21 +88,90 @@ class EnvCarry:
     rng: jax.Array
 
 
+@runtime_checkable
+class EnvDriver(Protocol):
+    """``B`` batched environments that execute whole chunks: what the runner steps.
+
+    Attributes:
+      num_envs: ``B``.
+      actions_per_chunk: ``K``.
+    """
+
+    num_envs: int
+    actions_per_chunk: int
+
+    def init(self, rng: jax.Array) -> tuple[Any, Any]:
+        """Start the environments -> ``(env_state, obs [B, ...])``; may run on the host."""
+        ...
+
+    def spec(self) -> tuple[Any, Any]:
+        """``(env_state, obs)`` as ``jax.ShapeDtypeStruct`` pytrees; runs nothing."""
+        ...
+
+    def step_chunk(self, env_state: Any, actions: jax.Array, rng: jax.Array) -> tuple:
+        """Execute ``actions [B, K, A]`` (traceable) -> ``(env_state, obs, rewards [B, K],
+        terminations [B, K], truncations [B, K], final_obs)``; ``final_obs``: per
+        environment, the observation its last episode ended on in the chunk, else the
+        new observation."""
+        ...
+
+
+def is_driver(env: Any) -> bool:
+    """Whether ``env`` is an :class:`EnvDriver` (else a gymnax-style environment)."""
+    return hasattr(env, "step_chunk") and hasattr(env, "init")
+
+
+class GymnaxDriver:
+    """A gymnax-style environment vmapped over ``num_envs``, as an :class:`EnvDriver`.
+
+    ``init`` and ``step_chunk`` are traceable; the runner builds one of these from
+    ``(env, env_params)`` inside its trace, so ``env_params`` may be traced.
+    """
+
+    def __init__(self, env: Any, env_params: Any, num_envs: int, actions_per_chunk: int):
+        self.env, self.env_params = env, env_params
+        self.num_envs, self.actions_per_chunk = num_envs, actions_per_chunk
+
+    def init(self, rng: jax.Array):
+        obs, env_state = jax.vmap(self.env.reset, in_axes=(0, None))(
+            jax.random.split(rng, self.num_envs), self.env_params
+        )
+        # Strong dtypes (a reset may give weak-typed leaves that a step does not): the
+        # carry keeps one structure across calls, so a jitted collect never retraces.
+        strong = lambda x: jnp.asarray(x, dtype=jnp.result_type(x))
+        return jax.tree.map(strong, (env_state, obs))
+
+    def spec(self):
+        return jax.eval_shape(self.init, jax.random.PRNGKey(0))
+
+    def step_chunk(self, env_state: Any, actions: jax.Array, rng: jax.Array):
+        return _gymnax_chunk(self.env, self.env_params, env_state, actions, rng)
+
+
+def _driver(env: Any, env_params: Any, num_envs: int, actions_per_chunk: int) -> EnvDriver:
+    if not is_driver(env):
+        return GymnaxDriver(env, env_params, num_envs, actions_per_chunk)
+    if (env.num_envs, env.actions_per_chunk) != (num_envs, actions_per_chunk):
+        raise ValueError(
+            f"the env driver steps {env.num_envs} envs x {env.actions_per_chunk} actions "
+            f"per chunk; the runner was asked for {num_envs} x {actions_per_chunk}"
+        )
+    return env
+
+
 def reset(env: Any, env_params: Any, rng: jax.Array, num_envs: int, actions_per_chunk: int):
     """Reset ``num_envs`` environments.
+
+    ``env`` is a gymnax-style environment or an :class:`EnvDriver` (``env_params``
+    ignored; its ``num_envs`` and ``actions_per_chunk`` must match). An EnvPool driver
+    resets its pool on the host here: call it outside ``jit``.
 
     Returns:
       An :class:`EnvCarry` with obs ``[B, ...]``, no flags set, and a fresh key. Leaves
       have strong dtypes, as :func:`collect` returns them.
     """
     rng, sub = jax.random.split(rng)
-    obs, env_state = jax.vmap(env.reset, in_axes=(0, None))(
-        jax.random.split(sub, num_envs), env_params
-    )
-    # Strong dtypes (a reset may give weak-typed leaves that a step does not): the carry
-    # keeps one structure across calls, so a jitted collect never retraces.
-    strong = lambda x: jnp.asarray(x, dtype=jnp.result_type(x))
-    env_state, obs = jax.tree.map(strong, (env_state, obs))
+    env_state, obs = _driver(env, env_params, num_envs, actions_per_chunk).init(sub)
     flags = jnp.zeros((num_envs, actions_per_chunk), bool)
     return EnvCarry(env_state, obs, flags, flags, rng)
 
@@ -112,49 +191,84 @@ def _env_step(env, env_params, key, env_state, action):
 
 
 def step_chunk(env: Any, env_params: Any, env_state: Any, obs: Any, actions: jax.Array, rng):
-    """Execute a chunk of actions in ``B`` auto-resetting environments.
+    """Execute a chunk of actions in ``B`` auto-resetting gymnax environments.
 
     Args:
       actions: ``[B, K, A]``; action ``k`` of every environment is stepped with key
         ``jax.random.split(jax.random.fold_in(rng, k), B)``.
+      obs: the current observation (unused: kept for the signature).
 
     Returns:
       ``(env_state, obs, rewards [B, K], terminations [B, K], truncations [B, K],
       final_obs)``: ``final_obs`` is, per environment, the observation before its last
       reset in the chunk if an episode ended, else the new observation.
     """
-    step = jax.vmap(lambda k, s, a: _env_step(env, env_params, k, s, a))
-    B = actions.shape[0]
+    del obs
+    return _gymnax_chunk(env, env_params, env_state, actions, rng)
 
-    def one(carry, xs):
-        env_state, obs, final = carry
-        k, a = xs
-        obs, env_state, r, term, trunc, last = step(
-            jax.random.split(jax.random.fold_in(rng, k), B), env_state, a
+
+def scan_chunk(step: Callable, env_state: Any, actions: jax.Array):
+    """Execute ``actions [B, K, A]`` one action at a time in a ``lax.scan``.
+
+    A helper for writing an :class:`EnvDriver`'s ``step_chunk``.
+
+    Args:
+      step: ``(env_state, k, actions_k [B, A]) -> (env_state, obs, rewards [B],
+        terminations [B], truncations [B], last_obs)``; ``last_obs`` is the observation
+        an episode ended on (read only where one ended); ``k`` is the action's index.
+
+    Returns:
+      ``(env_state, obs, rewards [B, K], terminations [B, K], truncations [B, K],
+      final_obs)``: ``final_obs`` is, per environment, the observation its last episode
+      ended on in the chunk if one ended, else the new observation.
+    """
+    K = actions.shape[1]
+    xs = (jnp.arange(K, dtype=jnp.int32), jnp.swapaxes(actions, 0, 1))
+    # The carried observations start as zeros of the step's shapes (computed abstractly,
+    # nothing runs); the first action overwrites obs, an episode's end overwrites final.
+    shapes = jax.eval_shape(step, env_state, xs[0][0], xs[1][0])
+    zeros = lambda t: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), t)
+
+    def where(done, x, y):
+        return jax.tree.map(
+            lambda a, b: jnp.where(done.reshape(done.shape + (1,) * (a.ndim - 1)), a, b), x, y
         )
-        done = term | trunc
-        pick = lambda x, y: jnp.where(done.reshape(done.shape + (1,) * (x.ndim - 1)), x, y)
-        final = jax.tree.map(pick, last, final)
+
+    def one(carry, x):
+        env_state, _, final = carry
+        env_state, obs, r, term, trunc, last = step(env_state, *x)
+        final = where(term | trunc, last, final)
         return (env_state, obs, final), (r, term, trunc)
 
-    K = actions.shape[1]
-    (env_state, obs, final), (r, term, trunc) = lax.scan(
-        one, (env_state, obs, obs), (jnp.arange(K), jnp.swapaxes(actions, 0, 1))
-    )
-    ended = jnp.any(term | trunc, axis=0)  # [B]
-    pick = lambda x, y: jnp.where(ended.reshape(ended.shape + (1,) * (x.ndim - 1)), x, y)
-    final = jax.tree.map(pick, final, obs)
+    init = (env_state, zeros(shapes[1]), zeros(shapes[5]))
+    (env_state, obs, final), (r, term, trunc) = lax.scan(one, init, xs)
+    final = where(jnp.any(term | trunc, axis=0), final, obs)
     return env_state, obs, r.T, term.T, trunc.T, final
+
+
+def _gymnax_chunk(env: Any, env_params: Any, env_state: Any, actions: jax.Array, rng):
+    vstep = jax.vmap(lambda k, s, a: _env_step(env, env_params, k, s, a))
+    B = actions.shape[0]
+
+    def step(env_state, k, a):
+        obs, env_state, r, term, trunc, last = vstep(
+            jax.random.split(jax.random.fold_in(rng, k), B), env_state, a
+        )
+        return env_state, obs, r, term, trunc, last
+
+    return scan_chunk(step, env_state, actions)
 
 
 def _chunk(env, env_params, policy_fn, value_fn, params, carry, key: TrajectoryKey, first):
     """One chunk: inference, execution, terminal inference -> ``(carry, policy, env)``."""
     rng, k_pol, k_env = jax.random.split(carry.rng, 3)
     B = carry.terminations.shape[0]
-    source = TrajectorySource(key, B, 0)
+    # int32 like the key (a Python int would be int64 under jax_enable_x64)
+    source = TrajectorySource(key, jnp.int32(B), jnp.int32(0))
     out = policy_fn(params, carry.obs, k_pol)
-    env_state, obs, r, term, trunc, final_obs = step_chunk(
-        env, env_params, carry.env_state, carry.obs, out.actions, k_env
+    driver = _driver(env, env_params, B, carry.terminations.shape[1])
+    env_state, obs, r, term, trunc, final_obs = driver.step_chunk(
+        carry.env_state, out.actions, k_env
     )
     initial = None
     if first:  # the boundary before the first action: the previous chunk's flags
@@ -201,7 +315,7 @@ def collect(
       plan: the static plan (``num_epochs`` ``E``, ``num_chunks`` ``T``,
         ``batch_size`` ``B``).
       env, env_params: a gymnax-style environment and its parameters (static /
-        traced respectively).
+        traced respectively), or an :class:`EnvDriver` (``env_params`` ignored).
       policy_fn: ``(params, obs [B, ...], key) -> PolicyOutput`` with ``actions
         [B, K, A]``, ``prev_logprobs`` and ``prev_values [B]``.
       value_fn: ``(params, obs [B, ...]) -> [B]``, terminal inference.
@@ -219,8 +333,13 @@ def collect(
     run = lambda c, k, first: _chunk(env, env_params, policy_fn, value_fn, params, c, k, first)
 
     def insert(st, policy_part, env_part):
-        st = joiner.add_policy(plan, st, policy_part)
-        return joiner.add_env(plan, st, env_part)
+        # The collector's inserts trace with 32-bit defaults even where the caller turned
+        # jax_enable_x64 on (an EnvPool driver needs it): joiner's Python-int indices
+        # would otherwise be int64 beside its int32 key indices. The parts' dtypes are
+        # the plan's either way (EnvPoolXla casts at the boundary).
+        with jax.enable_x64(False):
+            st = joiner.add_policy(plan, st, policy_part)
+            return joiner.add_env(plan, st, env_part)
 
     def epoch(inner, e):
         st, c = inner
@@ -284,17 +403,21 @@ def example_parts(
 ) -> tuple[PolicyPart, EnvPart]:
     """Zero-filled example halves (chunk 0's env half) for :func:`jaxtraj.init`.
 
-    Shapes and dtypes come from ``jax.eval_shape`` of one chunk; nothing runs.
+    Shapes and dtypes come from ``jax.eval_shape`` of one chunk; nothing runs (an env
+    driver's ``spec`` gives the carry's shapes: an EnvPool pool is not reset here).
     """
 
-    def one():
-        carry = reset(env, env_params, jax.random.PRNGKey(0), num_envs, actions_per_chunk)
+    driver = _driver(env, env_params, num_envs, actions_per_chunk)
+    flags = jax.ShapeDtypeStruct((num_envs, actions_per_chunk), jnp.bool_)
+    abstract = EnvCarry(*driver.spec(), flags, flags, jax.eval_shape(jax.random.PRNGKey, 0))
+
+    def one(carry):
         _, p, v = _chunk(
             env, env_params, policy_fn, value_fn, params, carry, _key(0, 0, 0, 0, 0), True
         )
         return p, v
 
-    shapes = jax.eval_shape(one)
+    shapes = jax.eval_shape(one, abstract)
     # numpy zeros: host examples, as jaxtraj.init expects them.
     return jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)
 
