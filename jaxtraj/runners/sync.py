@@ -283,6 +283,29 @@ def _chunk(env, env_params, policy_fn, value_fn, params, carry, key: TrajectoryK
     return EnvCarry(env_state, obs, term, trunc, rng), policy_part, env_part
 
 
+def _check_32bit(state: CollectorState) -> None:
+    """Under ``jax_enable_x64``, refuse 64-bit buffers with a clear error (at trace time).
+
+    With x64 on, JAX's defaults widen (``jnp.zeros(n)``, a NumPy float64 scalar in an
+    expression), so a policy that does not fix its dtypes yields float64 parts and a
+    float64 plan; the collector's inserts support 32-bit buffers only under x64.
+    """
+    if not jax.config.read("jax_enable_x64"):
+        return
+    wide = [
+        jax.tree_util.keystr(path)
+        for path, x in jax.tree_util.tree_leaves_with_path(state)
+        if np.dtype(x.dtype).itemsize == 8
+    ]
+    if wide:
+        raise TypeError(
+            "with jax_enable_x64 on, the collector's buffers must be 32-bit (or narrower); "
+            f"64-bit buffers: {', '.join(wide[:6])}{' ...' if len(wide) > 6 else ''}. Give "
+            "the policy's outputs and values explicit dtypes (e.g. jnp.float32) before "
+            "building the example parts"
+        )
+
+
 def _key(step_id, epoch, env_rank, stage_id, chunk) -> TrajectoryKey:
     i32 = lambda v: jnp.asarray(v, jnp.int32)
     return TrajectoryKey(i32(step_id), i32(epoch), i32(env_rank), i32(stage_id), i32(chunk))
@@ -329,6 +352,7 @@ def collect(
       ``(state, carry)``: the state with every chunk of the step inserted (check
       ``state.error_code`` outside ``jit``) and the carry after the last chunk.
     """
+    _check_32bit(state)
     step_id = _step_id(state, env_rank, stage_id)
     run = lambda c, k, first: _chunk(env, env_params, policy_fn, value_fn, params, c, k, first)
 
