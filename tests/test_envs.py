@@ -340,6 +340,17 @@ def test_unservable_autoreset_mode(gym):
     vec.close()
 
 
+def test_gymnasium_without_reset_mask_is_refused(gym, monkeypatch):
+    """gymnasium 1.0 (NEXT_STEP only, no reset_mask) cannot give same-step chunks."""
+    from gymnasium.vector import SyncVectorEnv
+
+    vec = SyncVectorEnv([lambda: gym.make("Hopper-v5")])
+    monkeypatch.setattr(gym, "__version__", "1.0.0")
+    with pytest.raises(ValueError, match=r"autoreset mode NEXT_STEP of gymnasium 1.0.0 cannot be served.*served: SAME_STEP, NEXT_STEP and DISABLED \(gymnasium >= 1.1\)"):
+        GymnasiumEnv(vec, actions_per_chunk=2)
+    vec.close()
+
+
 # ----------------------------------------------------------------------- EnvPool
 
 

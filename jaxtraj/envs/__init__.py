@@ -12,6 +12,14 @@ with :meth:`~GymnasiumEnv.spec` (an :class:`EnvSpec`), from which :func:`example
 builds the collector's example halves. :meth:`~GymnasiumEnv.check_against` checks an
 adapter against the collector's examples.
 
+A collector for an adapter, without running anything::
+
+    vec = gymnasium.make_vec("Hopper-v5", num_envs=8, vectorization_mode="sync")
+    env = jaxtraj.envs.GymnasiumEnv(vec, actions_per_chunk=4, seed=0)
+    out = jax.eval_shape(policy_fn, params, env.spec().obs, jax.random.PRNGKey(0))
+    collector = jaxtraj.TrajectoryCollector(plan, *jaxtraj.envs.example_parts(env, plan, out))
+    env.check_against(collector)  # observation / action / reward shapes and dtypes
+
 Importing this package needs neither gymnasium nor EnvPool: each adapter imports its
 library when constructed, and says which extra to install when it is missing.
 """

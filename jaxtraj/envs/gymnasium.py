@@ -559,8 +559,9 @@ class GymnasiumEnv(ChunkEnv):
         modes = getattr(vector, "AutoresetMode", None)
         served = "SAME_STEP, NEXT_STEP and DISABLED (gymnasium >= 1.1)"
         if modes is None or version < _GYMNASIUM_MIN:
+            name = getattr(mode, "name", mode) if mode is not None else "NEXT_STEP"
             raise ValueError(
-                f"autoreset mode {mode if mode is not None else 'NEXT_STEP'!s} of gymnasium "
+                f"autoreset mode {name} of gymnasium "
                 f"{gym.__version__} cannot be served: it has no reset(options={{'reset_mask': "
                 f"...}}); served: {served}"
             )
