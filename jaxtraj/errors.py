@@ -87,7 +87,7 @@ class CollectorError(Exception):
         self.key = None if key is None else tuple(int(k) for k in key)
         self.code = ErrorCode(int(code))
         self.detail = detail
-        msg = reason(self.code)
+        msg = f"{self.code.name}: {reason(self.code)}"
         if self.key is not None:
             names = ("step_id", "epoch_id", "env_rank", "stage_id", "chunk_id")
             msg = f"key({', '.join(f'{n}={v}' for n, v in zip(names, self.key))}): {msg}"

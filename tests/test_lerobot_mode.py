@@ -236,3 +236,30 @@ def test_camera_features_and_non_rgb_images():
     depth = p.replace(obs={**p.obs, "image": np.zeros((B, 2, 2, 1), np.uint8)})
     with pytest.raises(ValueError, match="uint8 with C = 3"):
         jaxtraj.lerobot.features(LR, depth, v)
+
+
+def test_dataset_rewards_are_the_environments_never_the_truncation_bootstrap():
+    """gamma 0.5, V(final obs) = 10 at a truncation: the trajectory's training reward is
+    r + 5, the dataset's is r (what the environment gave)."""
+    plan = dataclasses.replace(SHORT, gamma=0.5)
+    parts = []
+    for t in range(2):
+        p, v = _chunk_level(t)
+        tr = v.transition.replace(truncations=np.full((B,), t == 0))  # every env cut at chunk 0
+        parts += [p, v.replace(transition=tr, final_values=np.full((B,), 10.0, np.float32))]
+    writer = ListWriter()
+    c = jaxtraj.TrajectoryCollector(plan, *parts[:2], writer=writer, tasks="pick")
+    for part in parts:
+        c.add(part)
+    assert len(writer.episodes) == 2 * B  # each env: the truncated episode, the terminated one
+    rollout = jaxtraj.TrajectoryCollector(dataclasses.replace(plan, mode="rollout"), *parts[:2])
+    ((_, traj),) = [item for part in parts for item in rollout.add(part)]
+    np.testing.assert_allclose(np.asarray(traj.rewards)[0, 0], np.arange(B) + 5.0)  # training
+    by_env = {}
+    for frames, task in zip(writer.episodes, writer.tasks):
+        assert task == "pick"
+        by_env.setdefault(int(frames["action"][0, 0]) % 100 // (K3 * A2), []).append(frames)
+    for b, (first, second) in by_env.items():
+        np.testing.assert_array_equal(first["next.reward"][:, 0], [0.0, 0.0, b])
+        assert first["next.truncated"][:, 0].tolist() == [False, False, True]
+        np.testing.assert_array_equal(second["next.reward"][:, 0], [0.0, 0.0, 10.0 + b])

@@ -402,3 +402,28 @@ def test_run_once_per_training_step_carries_envs_keys_and_versions(cls):
                 last = envs[r].log[(s - 1, E - 1, r, 0, T - 1)]
                 np.testing.assert_array_equal(np.asarray(tr.obs["state"])[0, 0], last)
     assert runner.step_id == steps
+
+
+def test_nan_reward_from_an_env_is_non_finite_naming_the_env_worker_and_key():
+    bad = (0, 1, 1, 0, 2)  # epoch 1, rank 1, chunk 2
+
+    class NanEnv(PointEnv):
+        def step(self, key, actions):
+            out = super().step(key, actions)
+            if key.as_tuple() == bad:
+                rewards = np.array(out.transition.rewards)
+                rewards[1] = np.nan
+                out = EnvStep(out.transition.replace(rewards=rewards), out.obs, out.final_values)
+            return out
+
+    collector = make_collector()
+    runner = AsyncRunner(collector, [PointEnv(0), NanEnv(1)], policy_fn, PARAMS)
+    with pytest.raises(RunnerError) as info:
+        runner.run()
+    err = info.value
+    assert err.worker == "env_worker_1" and err.key == bad
+    assert err.cause.code == jaxtraj.ErrorCode.NON_FINITE and "NON_FINITE" in str(err)
+    # What was collected stays: rank 0's step flushed; rank 1 waits only for that half
+    # (and what its env worker had not produced yet when every worker stopped).
+    assert (0, 1, 0, 0, 2) not in {k for k, _, _ in collector.missing()}
+    assert (bad, "env") in {(k, h) for k, h, _ in collector.missing()}

@@ -78,11 +78,15 @@ def flush(
 ) -> tuple[ep_lib.EpisodeBatch, CollectorState, ep_lib.EpisodeState]:
     """Flush one single-source state's complete step into its running episodes.
 
+    A dataset records what the environment gave: rewards are composed with the plan's
+    weights and reward model, never with the truncation bootstrap ``gamma * V(final
+    obs)`` (a device of the advantage computation, which rollout and pipeline modes add).
+
     Returns ``(batch, state, episodes)``. If ``batch.overflow`` is set anywhere, or the
     step was incomplete (``state.error_code``), discard all three and keep the inputs
     (do not donate them).
     """
-    traj, state = rollout.flush(plan, state)
+    traj, state = rollout.flush(dataclasses.replace(plan, truncation_bootstrap="none"), state)
     frames, done = frames_of(plan, state, traj)
     episodes, batch = ep_lib.append(
         episodes, frames, done, truncate=plan.episode_overflow == "truncate"
