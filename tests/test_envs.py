@@ -121,14 +121,20 @@ def test_gymnasium_matches_single_envs_every_autoreset_mode(gym):
 
     actions = hopper_actions()
     info_keys = ("x_position", "reward_forward")
-    first, ref = reference([lambda: gym.make("Hopper-v5")] * B, [SEED + i for i in range(B)],
-                           actions, info_keys)
+    first, ref = reference(
+        [lambda: gym.make("Hopper-v5")] * B, [SEED + i for i in range(B)], actions, info_keys
+    )
     done = np.stack([c["terminations"] | c["truncations"] for c in ref])  # [T, B, K]
     assert done[..., :-1].any(), "the scenario needs an episode ending mid-chunk"
     assert done.sum() >= 3
     for mode in (AutoresetMode.SAME_STEP, AutoresetMode.NEXT_STEP, AutoresetMode.DISABLED):
-        env = GymnasiumEnv(hopper_vec(gym, mode), actions_per_chunk=K, seed=SEED,
-                           per_action_obs=True, info_keys=info_keys)
+        env = GymnasiumEnv(
+            hopper_vec(gym, mode),
+            actions_per_chunk=K,
+            seed=SEED,
+            per_action_obs=True,
+            info_keys=info_keys,
+        )
         assert env.autoreset_mode == mode.name
         got_first, steps = run_chunks(env, actions)
         env.close()
@@ -154,8 +160,12 @@ def test_gymnasium_truncations_mid_chunk(gym):
     assert trunc[2, :, 0].all() and trunc[2, :, 3].all()  # two episode ends in chunk 2
     assert not np.stack([c["terminations"] for c in ref]).any()
     for mode in (AutoresetMode.SAME_STEP, AutoresetMode.NEXT_STEP):
-        env = GymnasiumEnv(hopper_vec(gym, mode, batch=2, max_steps=3), actions_per_chunk=K,
-                           seed=SEED, per_action_obs=True)
+        env = GymnasiumEnv(
+            hopper_vec(gym, mode, batch=2, max_steps=3),
+            actions_per_chunk=K,
+            seed=SEED,
+            per_action_obs=True,
+        )
         _, steps = run_chunks(env, actions)
         env.close()
         for step, want in zip(steps, ref):
@@ -168,8 +178,12 @@ def test_gymnasium_async_vector_env(gym):
 
     actions = hopper_actions(t_chunks=2, batch=2)
     _, ref = reference([lambda: gym.make("Hopper-v5")] * 2, [SEED, SEED + 1], actions)
-    env = GymnasiumEnv(hopper_vec(gym, AutoresetMode.NEXT_STEP, batch=2, asynchronous=True),
-                       actions_per_chunk=K, seed=SEED, per_action_obs=True)
+    env = GymnasiumEnv(
+        hopper_vec(gym, AutoresetMode.NEXT_STEP, batch=2, asynchronous=True),
+        actions_per_chunk=K,
+        seed=SEED,
+        per_action_obs=True,
+    )
     try:
         _, steps = run_chunks(env, actions)
     finally:
@@ -184,8 +198,12 @@ def test_reset_seeds_once(gym):
     random streams (a new initial state), as gymnasium's own reset(seed=None) does."""
     from gymnasium.vector import AutoresetMode
 
-    env = GymnasiumEnv(hopper_vec(gym, AutoresetMode.NEXT_STEP, batch=2), actions_per_chunk=2,
-                       seed=SEED, obs_key=None)
+    env = GymnasiumEnv(
+        hopper_vec(gym, AutoresetMode.NEXT_STEP, batch=2),
+        actions_per_chunk=2,
+        seed=SEED,
+        obs_key=None,
+    )
     first = env.reset()
     single = gym.make("Hopper-v5")
     a, _ = single.reset(seed=SEED + 1)
@@ -205,15 +223,19 @@ class _Tiny:
 
         class Tiny(gym.Env):
             metadata = {}
-            observation_space = spaces.Dict({
-                "state": spaces.Box(-np.inf, np.inf, (2,), np.float64),
-                "image": spaces.Box(0, 255, (2, 2, 3), np.uint8),
-            })
+            observation_space = spaces.Dict(
+                {
+                    "state": spaces.Box(-np.inf, np.inf, (2,), np.float64),
+                    "image": spaces.Box(0, 255, (2, 2, 3), np.uint8),
+                }
+            )
             action_space = spaces.Box(-1, 1, (1,), np.float64)
 
             def obs(self):
-                return {"state": np.full((2,), state, np.float64),
-                        "image": np.full((2, 2, 3), 200, np.uint8)}
+                return {
+                    "state": np.full((2,), state, np.float64),
+                    "image": np.full((2, 2, 3), 200, np.uint8),
+                }
 
             def reset(self, *, seed=None, options=None):
                 super().reset(seed=seed)
@@ -235,8 +257,13 @@ def test_casting_dict_obs_nan_and_float64(gym):
     from gymnasium.vector import SyncVectorEnv
 
     Tiny = _Tiny.make(gym, reward=float("nan"), state=1e300)
-    env = GymnasiumEnv(SyncVectorEnv([Tiny, Tiny]), actions_per_chunk=4, seed=0,
-                       info_keys=("is_success", "missing"), per_action_obs=True)
+    env = GymnasiumEnv(
+        SyncVectorEnv([Tiny, Tiny]),
+        actions_per_chunk=4,
+        seed=0,
+        info_keys=("is_success", "missing"),
+        per_action_obs=True,
+    )
     spec = env.spec()
     assert spec.obs["state"] == jax.ShapeDtypeStruct((2, 2), np.float32)
     assert spec.obs["image"] == jax.ShapeDtypeStruct((2, 2, 2, 3), np.uint8)
@@ -255,8 +282,9 @@ def test_casting_dict_obs_nan_and_float64(gym):
     assert step.info["missing"].dtype == np.float32 and not step.info["missing"].any()
     env.close()
 
-    env = GymnasiumEnv(SyncVectorEnv([Tiny]), actions_per_chunk=1, obs_dtype=np.float64,
-                       reward_dtype=np.float64)
+    env = GymnasiumEnv(
+        SyncVectorEnv([Tiny]), actions_per_chunk=1, obs_dtype=np.float64, reward_dtype=np.float64
+    )
     assert env.reset()["state"].dtype == np.float64 and env.reset()["state"][0, 0] == 1e300
     assert env.step(None, np.zeros((1, 1, 1))).transition.rewards.dtype == np.float64
 
@@ -299,29 +327,52 @@ def test_spaces_mismatch_names_field_and_shapes(gym):
     plan = TrajectoryPlan(num_chunks=2, batch_size=2)
     key = TrajectoryKey(0, 0, 0, 0, 0)
     src = jaxtraj.TrajectorySource(key, 2, 0)
-    pol = jaxtraj.PolicyPart(src, {"state": np.zeros((2, 17), np.float32)},
-                             PolicyOutput(actions=np.zeros((2, K, 3), np.float32)))
+    pol = jaxtraj.PolicyPart(
+        src,
+        {"state": np.zeros((2, 17), np.float32)},
+        PolicyOutput(actions=np.zeros((2, K, 3), np.float32)),
+    )
     z = np.zeros((2, K), bool)
     tr = EnvTransition(rewards=np.zeros((2, K), np.float32), terminations=z, truncations=z)
-    collector = jaxtraj.TrajectoryCollector(plan, pol, jaxtraj.EnvPart(
-        src, tr, initial_transition=tr.boundary()))
+    collector = jaxtraj.TrajectoryCollector(
+        plan, pol, jaxtraj.EnvPart(src, tr, initial_transition=tr.boundary())
+    )
     vec = hopper_vec(gym, AutoresetMode.SAME_STEP, batch=2)
-    msg = ("observation 'state': env gives (2, 11) float32, the collector's example has "
-           "(2, 17) float32")
+    msg = (
+        "observation 'state': env gives (2, 11) float32, the collector's example has "
+        "(2, 17) float32"
+    )
     with pytest.raises(ValueError, match=msg.replace("(", r"\(").replace(")", r"\)")):
         GymnasiumEnv(vec, actions_per_chunk=K, policy_example=collector)
     env = GymnasiumEnv(vec, actions_per_chunk=K)
     with pytest.raises(ValueError, match=msg.replace("(", r"\(").replace(")", r"\)")):
         env.check_against(pol)
-    with pytest.raises(ValueError, match=r"observation: env gives \['state'\], the collector's example has \['pos'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"observation: env gives \['state'\], the collector's example has \['pos'\]",
+    ):
         env.check_against(pol.replace(obs={"pos": np.zeros((2, 11), np.float32)}))
     ok = pol.replace(obs={"state": np.zeros((2, 11), np.float32)})
     env.check_against(ok)
-    with pytest.raises(ValueError, match=r"actions: env takes \(2, 4, 3\).*has \(2, 4, 2\) float32"):
+    with pytest.raises(
+        ValueError, match=r"actions: env takes \(2, 4, 3\).*has \(2, 4, 2\) float32"
+    ):
         env.check_against(ok.replace(output=PolicyOutput(actions=np.zeros((2, K, 2), np.float32))))
-    with pytest.raises(ValueError, match=r"rewards: env gives \(2, 4\) float32, the collector's example has \(2,\) float32"):
-        env.check_against((ok, jaxtraj.EnvPart(src, EnvTransition(
-            rewards=np.zeros((2,), np.float32), terminations=z, truncations=z))))
+    with pytest.raises(
+        ValueError,
+        match=r"rewards: env gives \(2, 4\) float32, the collector's example has \(2,\) float32",
+    ):
+        env.check_against(
+            (
+                ok,
+                jaxtraj.EnvPart(
+                    src,
+                    EnvTransition(
+                        rewards=np.zeros((2,), np.float32), terminations=z, truncations=z
+                    ),
+                ),
+            )
+        )
     with pytest.raises(ValueError, match=r"actions: env takes \(2, 4, 3\).*got \(2, 3, 3\)"):
         env.reset()
         env.step(key, np.zeros((2, 3, 3)))
@@ -333,7 +384,10 @@ def test_unservable_autoreset_mode(gym):
 
     vec = SyncVectorEnv([lambda: gym.make("Hopper-v5")])
     vec.metadata = {**vec.metadata, "autoreset_mode": "EveryOtherStep"}
-    with pytest.raises(ValueError, match="'EveryOtherStep' cannot be served; served: SAME_STEP, NEXT_STEP and DISABLED"):
+    with pytest.raises(
+        ValueError,
+        match="'EveryOtherStep' cannot be served; served: SAME_STEP, NEXT_STEP and DISABLED",
+    ):
         GymnasiumEnv(vec, actions_per_chunk=2)
     with pytest.raises(TypeError, match="VectorEnv"):
         GymnasiumEnv(gym.make("Hopper-v5"), actions_per_chunk=2)
@@ -346,7 +400,10 @@ def test_gymnasium_without_reset_mask_is_refused(gym, monkeypatch):
 
     vec = SyncVectorEnv([lambda: gym.make("Hopper-v5")])
     monkeypatch.setattr(gym, "__version__", "1.0.0")
-    with pytest.raises(ValueError, match=r"autoreset mode NEXT_STEP of gymnasium 1.0.0 cannot be served.*served: SAME_STEP, NEXT_STEP and DISABLED \(gymnasium >= 1.1\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"autoreset mode NEXT_STEP of gymnasium 1.0.0 cannot be served.*served: SAME_STEP, NEXT_STEP and DISABLED \(gymnasium >= 1.1\)",
+    ):
         GymnasiumEnv(vec, actions_per_chunk=2)
     vec.close()
 
@@ -367,8 +424,7 @@ def envpool_reference(envpool, seeds, actions, max_steps=None):
 
     class One:
         def __init__(self, seed):
-            self.pool = envpool.make("Hopper-v4", env_type="gymnasium", num_envs=1, seed=seed,
-                                     **kw)
+            self.pool = envpool.make("Hopper-v4", env_type="gymnasium", num_envs=1, seed=seed, **kw)
 
         def reset(self, seed=None):
             o, _ = self.pool.reset()
@@ -418,8 +474,9 @@ def test_envpool_truncations_mid_chunk(envpool):
     actions = np.zeros((T, 2, K, 3), np.float32) + 0.1
     _, ref = envpool_reference(envpool, [SEED, SEED + 1], actions, max_steps=3)
     assert np.stack([c["truncations"] for c in ref])[2, :, 0].all()
-    pool = envpool.make("Hopper-v4", env_type="gymnasium", num_envs=2, seed=SEED,
-                        max_episode_steps=3)
+    pool = envpool.make(
+        "Hopper-v4", env_type="gymnasium", num_envs=2, seed=SEED, max_episode_steps=3
+    )
     env = EnvPoolEnv(pool, actions_per_chunk=K)
     _, steps = run_chunks(env, actions)
     for step, want in zip(steps, ref):
@@ -432,10 +489,16 @@ def test_envpool_refuses_async_pools_and_mismatched_spaces(envpool):
         EnvPoolEnv(pool, actions_per_chunk=K)
     pool = envpool.make("Hopper-v4", env_type="gymnasium", num_envs=2, seed=0)
     src = jaxtraj.TrajectorySource(TrajectoryKey(0, 0, 0, 0, 0), 2, 0)
-    pol = jaxtraj.PolicyPart(src, {"state": np.zeros((2, 11), np.float64)},
-                             PolicyOutput(actions=np.zeros((2, K, 3), np.float32)))
-    with pytest.raises(ValueError, match=r"observation 'state': env gives \(2, 11\) float32, "
-                                         r"the collector's example has \(2, 11\) float64"):
+    pol = jaxtraj.PolicyPart(
+        src,
+        {"state": np.zeros((2, 11), np.float64)},
+        PolicyOutput(actions=np.zeros((2, K, 3), np.float32)),
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"observation 'state': env gives \(2, 11\) float32, "
+        r"the collector's example has \(2, 11\) float64",
+    ):
         EnvPoolEnv(pool, actions_per_chunk=K, policy_example=pol)
     EnvPoolEnv(pool, actions_per_chunk=K, obs_dtype=np.float64, policy_example=pol)
 
@@ -447,14 +510,16 @@ def test_missing_extras_name_the_extra(tmp_path):
     """``import jaxtraj.envs`` needs neither gymnasium nor envpool; constructing an
     adapter without its library names the extra to install."""
     hide = tmp_path / "sitecustomize.py"
-    hide.write_text(textwrap.dedent("""
+    hide.write_text(
+        textwrap.dedent("""
         import sys
         class _Hide:
             def find_spec(self, name, path=None, target=None):
                 if name.split(".")[0] in ("gymnasium", "envpool"):
                     raise ModuleNotFoundError(f"No module named {name!r}", name=name)
         sys.meta_path.insert(0, _Hide())
-    """))
+    """)
+    )
     code = textwrap.dedent("""
         import sys
         import jaxtraj
@@ -473,8 +538,9 @@ def test_missing_extras_name_the_extra(tmp_path):
     """)
     paths = [str(tmp_path), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]
 
 
@@ -498,11 +564,15 @@ def test_rollout_collection_end_to_end(gym):
     trunc = np.stack([c["truncations"] for c in ref])
     assert trunc.any() and np.stack([c["terminations"] for c in ref]).any()
 
-    env = GymnasiumEnv(hopper_vec(gym, AutoresetMode.NEXT_STEP, batch=Bn, max_steps=6),
-                       actions_per_chunk=K, seed=SEED)
+    env = GymnasiumEnv(
+        hopper_vec(gym, AutoresetMode.NEXT_STEP, batch=Bn, max_steps=6),
+        actions_per_chunk=K,
+        seed=SEED,
+    )
     plan = TrajectoryPlan(num_chunks=T, batch_size=Bn, gamma=gamma)
-    out_example = PolicyOutput(actions=np.zeros((Bn, K, 3), np.float32),
-                               prev_values=np.zeros((Bn,), np.float32))
+    out_example = PolicyOutput(
+        actions=np.zeros((Bn, K, 3), np.float32), prev_values=np.zeros((Bn,), np.float32)
+    )
     collector = jaxtraj.TrajectoryCollector(plan, *example_parts(env, plan, out_example))
     env.check_against(collector)
     obs, prev, items = env.reset(), None, []
@@ -532,8 +602,75 @@ def test_rollout_collection_end_to_end(gym):
     terms = np.stack([c["terminations"] for c in ref])
     np.testing.assert_array_equal(np.asarray(traj.truncations)[0], np.concatenate([zeros, trunc]))
     np.testing.assert_array_equal(np.asarray(traj.terminations)[0], np.concatenate([zeros, terms]))
-    np.testing.assert_array_equal(np.asarray(traj.dones)[0],
-                                  np.concatenate([zeros, terms | trunc]))
+    np.testing.assert_array_equal(np.asarray(traj.dones)[0], np.concatenate([zeros, terms | trunc]))
     values = np.asarray(traj.prev_values)[0]  # [T+1, B]
     np.testing.assert_allclose(values[:T], np.stack([value_fn(o) for o in obs_ref]), rtol=1e-6)
     np.testing.assert_allclose(values[T], value_fn(ref[-1]["final_obs"]), rtol=1e-6)
+
+
+@pytest.mark.parametrize("runner_name", ["AsyncRunner", "DecoupledRunner"])
+def test_runner_over_gymnasium_with_terminal_inference_equals_the_reference(gym, runner_name):
+    """The user's path: GymnasiumEnv (NEXT_STEP autoreset, episodes ending mid-chunk by
+    termination and by truncation) in a host runner whose value_fn runs terminal
+    inference on the policy side; called once per training step (two steps, the env
+    carried across them). The Trajectories equal the reference loop over single envs
+    field by field: observations, rewards (with gamma * V(final obs) at truncations),
+    the [T+1] flags and prev_values[T] = V(s_T). (DecoupledRunner's policy halves carry
+    the observation its pipelined inference saw, one chunk stale by design: its
+    observations and pre-action values are not the reference's.)"""
+    from gymnasium.vector import AutoresetMode
+
+    from jaxtraj.runners import threads
+
+    gamma, Bn, steps = 0.9, 2, 2
+    w = np.linspace(-1, 1, 11).astype(np.float32)
+    value = lambda obs: (obs @ w).astype(np.float32)  # noqa: E731
+    actions = hopper_actions(t_chunks=steps * T, batch=Bn)
+    actions[:, 1] = 0.1  # env 1 stands and is truncated; env 0 falls (terminations)
+    makers = [lambda: gym.make("Hopper-v5", max_episode_steps=6)] * Bn
+    first, ref = reference(makers, [SEED, SEED + 1], actions)
+    calls = iter(range(steps * T))
+
+    def policy_fn(params, obs, rng):  # replays the reference's actions, in chunk order
+        t = next(calls)
+        return PolicyOutput(actions=actions[t], prev_values=value(obs["state"]))
+
+    env = GymnasiumEnv(
+        hopper_vec(gym, AutoresetMode.NEXT_STEP, batch=Bn, max_steps=6),
+        actions_per_chunk=K,
+        seed=SEED,
+    )
+    plan = TrajectoryPlan(num_chunks=T, batch_size=Bn, gamma=gamma)
+    out_example = PolicyOutput(
+        actions=np.zeros((Bn, K, 3), np.float32), prev_values=np.zeros((Bn,), np.float32)
+    )
+    collector = jaxtraj.TrajectoryCollector(plan, *example_parts(env, plan, out_example))
+    kw = {"max_batch": 1} if runner_name == "DecoupledRunner" else {}
+    runner = getattr(threads, runner_name)(
+        collector, [env], policy_fn, None, value_fn=lambda p, o: value(o["state"]), **kw
+    )
+    trajs = [tr for _ in range(steps) for _, tr in runner.run(num_steps=1)]
+    env.close()
+    assert [int(tr.step_id) for tr in trajs] == list(range(steps))
+    trunc = np.stack([c["truncations"] for c in ref])
+    terms = np.stack([c["terminations"] for c in ref])
+    assert trunc[:-1].any() and terms.any()  # both kinds end episodes mid-epoch
+    obs_ref = np.stack([first] + [c["obs"] for c in ref[:-1]])  # [steps*T, B, 11]
+    rewards = np.stack([c["rewards"] for c in ref])
+    v_final = np.stack([value(c["final_obs"]) for c in ref])
+    for s, traj in enumerate(trajs):
+        at = slice(s * T, (s + 1) * T)
+        if runner_name == "AsyncRunner":
+            np.testing.assert_array_equal(np.asarray(traj.obs["state"])[0], obs_ref[at])
+        want = rewards[at] + gamma * v_final[at, :, None] * trunc[at]
+        np.testing.assert_allclose(np.asarray(traj.rewards)[0], want, rtol=1e-6)
+        before = np.zeros((1, Bn, K), bool) if s == 0 else None
+        for name, flags in (("truncations", trunc), ("terminations", terms)):
+            prev = before if s == 0 else flags[s * T - 1][None]
+            np.testing.assert_array_equal(
+                np.asarray(getattr(traj, name))[0], np.concatenate([prev, flags[at]]), name
+            )
+        values = np.asarray(traj.prev_values)[0]
+        if runner_name == "AsyncRunner":
+            np.testing.assert_allclose(values[:T], value(obs_ref[at]), rtol=1e-6)
+        np.testing.assert_allclose(values[T], v_final[(s + 1) * T - 1], rtol=1e-6)
