@@ -2,14 +2,15 @@
 
 Each env actor (``jaxtraj.runners.ray.RayRunner``, one per env rank) steps ``--envs``
 gymnasium ``Reacher-v5`` environments (state observations, no rendering) on the host
-CPU. The learner process (this script) runs a small Gaussian MLP policy that emits an
-action chunk of ``K`` actions per call, Sebulba-style: for every rank it infers a
-chunk, sends the actions to the rank's actor and receives the env half back through
-Ray's object store; the collector joins the halves and flushes one ``Trajectory`` per
-rank and training step. The policy is trained with a few clipped policy-gradient
-updates per step on critic-free discounted returns (``TrajectoryPlan(advantage=
-"returns")``), and every update is published with ``runner.update_policy`` (the
-version travels in ``Trajectory.versions``).
+CPU, through :class:`jaxtraj.envs.GymnasiumEnv` (no adapter to write). The learner
+process (this script) runs a small Gaussian MLP policy that emits an action chunk of
+``K`` actions per call, Sebulba-style: for every rank it infers a chunk, sends the
+actions to the rank's actor and receives the env half back through Ray's object store;
+the collector joins the halves and flushes one ``Trajectory`` per rank and training
+step. The policy is trained with a few clipped policy-gradient updates per step on
+critic-free discounted returns (``TrajectoryPlan(advantage="returns")``), and every
+update is published with ``runner.update_policy`` (the version travels in
+``Trajectory.versions``).
 
     pip install -e '.[ray]'            # ray, gymnasium[mujoco], mujoco<4
     python examples/ray_mujoco.py [--actors 2] [--envs 16] [--iterations 100]
@@ -23,6 +24,7 @@ on CPU nodes and the learner on an accelerator node.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import time
@@ -35,9 +37,9 @@ import optax
 import ray
 
 import jaxtraj
-from jaxtraj import EnvTransition, PolicyOutput, TrajectoryKey, TrajectoryPlan
+from jaxtraj import PolicyOutput, TrajectoryPlan
+from jaxtraj.envs import GymnasiumEnv, example_parts
 from jaxtraj.runners.ray import RayRunner
-from jaxtraj.runners.service import EnvStep
 from jaxtraj.targets import trajectory_targets
 
 K = 5  # actions per chunk: a Reacher episode (50 steps) is 10 chunks
@@ -45,39 +47,16 @@ T = 10  # chunks per epoch: one episode per environment and training step
 OBS, ACT = 10, 2
 
 
-class Reachers:
-    """One env rank: ``n`` gymnasium Reacher-v5 environments, stepped ``K`` at a time.
+def make_env(rank: int, envs: int) -> GymnasiumEnv:
+    """One env rank (called in its actor's process): ``envs`` gymnasium Reacher-v5 in a
+    ``SyncVectorEnv``, executed ``K`` actions a chunk by :class:`jaxtraj.envs.GymnasiumEnv`.
 
-    Seeds come from the rank and the chunk's key, so a restarted actor that replays
-    its actions reproduces the same states (what ``RayRunner`` relies on when an
+    Seeded by the rank: a restarted actor rebuilds its env, resets with the same seed and
+    replays its actions, reproducing the same states (what ``RayRunner`` relies on when an
     environment offers no ``get_state``).
     """
-
-    def __init__(self, rank: int, n: int):
-        self.rank, self.envs = rank, [gym.make("Reacher-v5") for _ in range(n)]
-
-    def reset(self):
-        obs = [e.reset(seed=10_000 * self.rank + i)[0] for i, e in enumerate(self.envs)]
-        return {"state": np.asarray(obs, np.float32)}
-
-    def step(self, key: TrajectoryKey, actions):
-        n = len(self.envs)
-        obs = np.zeros((n, OBS), np.float32)
-        rewards = np.zeros((n,), np.float32)
-        terms, truncs = np.zeros((n,), bool), np.zeros((n,), bool)
-        for i, env in enumerate(self.envs):
-            for k in range(K):
-                a = np.clip(np.asarray(actions[i, k], np.float64), -1.0, 1.0)  # the action space
-                o, r, term, trunc, _ = env.step(a)
-                rewards[i] += r
-                if term or trunc:
-                    terms[i], truncs[i] = term, trunc and not term
-                    seed = hash((self.rank, i, *(int(v) for v in key.fields()))) % 2**31
-                    o, _ = env.reset(seed=seed)  # auto-reset; the next chunk starts fresh
-                    break
-            obs[i] = o
-        transition = EnvTransition(rewards=rewards, terminations=terms, truncations=truncs)
-        return EnvStep(transition=transition, obs={"state": obs})
+    vec = gym.make_vec("Reacher-v5", num_envs=envs, vectorization_mode="sync")
+    return GymnasiumEnv(vec, actions_per_chunk=K, seed=10_000 * rank)
 
 
 def init_params(rng, hidden=64):
@@ -143,19 +122,6 @@ def make_update(plan, optimizer, clip=0.2):
     return update
 
 
-def example_parts(plan, params):
-    key = TrajectoryKey(0, 0, 0, 0, 0)
-    env = Reachers(0, plan.batch_size)
-    obs = env.reset()
-    out = policy_fn(params, obs, jax.random.PRNGKey(0))
-    st = env.step(key, out.actions)
-    src = jaxtraj.TrajectorySource(key, plan.batch_size, 0)
-    return (
-        jaxtraj.PolicyPart(src, obs, out),
-        jaxtraj.EnvPart(src, st.transition, initial_transition=st.transition.boundary()),
-    )
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--actors", type=int, default=2, help="env actors (env ranks)")
@@ -186,7 +152,10 @@ def main():
         gamma=0.99,
     )
     params = init_params(jax.random.PRNGKey(0))
-    collector = jaxtraj.TrajectoryCollector(plan, *example_parts(plan, params))
+    with make_env(0, args.envs) as env:  # its spec: the collector's example halves
+        zeros = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), env.spec().obs)
+        out = policy_fn(params, zeros, jax.random.PRNGKey(0))
+        collector = jaxtraj.TrajectoryCollector(plan, *example_parts(env, plan, out))
     optimizer = optax.adam(args.lr)
     opt_state = optimizer.init(params)
     update = make_update(plan, optimizer)
@@ -198,7 +167,7 @@ def main():
     )
     runner = RayRunner(
         collector,
-        lambda rank: Reachers(rank, envs),
+        functools.partial(make_env, envs=envs),
         policy_fn,
         params,
         num_steps=1,
@@ -213,7 +182,8 @@ def main():
             collect_s = time.perf_counter() - t1
             trajs = [traj for _, traj in items]
             # Mean return of an episode (each epoch is exactly one 50-step episode).
-            ret = float(np.mean([np.asarray(tr.rewards).sum(axis=1).mean() for tr in trajs]))
+            # (rewards [E, T, B, K]: per action, from the adapter)
+            ret = float(np.mean([np.asarray(tr.rewards).sum(axis=(1, 3)).mean() for tr in trajs]))
             versions = sorted({int(v) for tr in trajs for v in np.unique(tr.versions)})
             for traj in trajs:
                 params, opt_state = update(params, opt_state, traj)

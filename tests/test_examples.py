@@ -57,3 +57,14 @@ def test_sync_runner_example():
     assert (
         out.count("step ") == 3 and "truncations 32" in out
     )  # the time limit ends step 1 (and is step 2's d_before)
+
+
+def test_gymnasium_mujoco_example_trains_through_the_adapter_and_async_runner():
+    out = run("gymnasium_mujoco.py", "--iterations", "3", "--envs", "2")
+    iters = [line for line in out.splitlines() if line.startswith("iter ")]
+    assert len(iters) == 3 and "versions [2]" in iters[-1], out  # one version per step
+
+
+def test_ray_mujoco_example_runs_through_the_adapter():
+    out = run("ray_mujoco.py", "--iterations", "2", "--envs", "2", "--actor-cpus", "0.5")
+    assert out.count("iter ") == 2 and "versions [1]" in out, out
