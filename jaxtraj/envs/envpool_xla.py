@@ -146,7 +146,7 @@ class EnvPoolXla:
         def step(handle, k, a):
             a = a.astype(self.action_dtype)
             if self._bounds is not None:
-                low, high = (jnp.asarray(b, self.action_dtype) for b in self._bounds)
+                low, high = (jnp.asarray(b[None], self.action_dtype) for b in self._bounds)
                 a = jnp.clip(a, low, high)
             handle, (obs, rew, term, trunc, _info) = self._step(handle, a)
             obs = self._cast_obs(self._select(obs))
