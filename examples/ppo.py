@@ -1,5 +1,7 @@
-"""Chunked-action PPO through jaxtraj's pipeline mode: MuJoCo via EnvPool's XLA interface
-(default) or gymnax's Pendulum-v1.
+"""Chunked-action PPO via jaxtraj's pipeline mode: MuJoCo (EnvPool XLA) or Pendulum.
+
+MuJoCo tasks (Hopper-v4 by default) run through EnvPool's XLA interface; ``--env
+pendulum`` trains gymnax's Pendulum-v1.
 
 The policy emits a chunk of ``K`` actions per observation (one diagonal Gaussian over
 the ``K * A`` outputs; the chunk's log-probability is the sum over its actions). The
@@ -17,9 +19,9 @@ Discounting is per chunk: the plan's gamma is ``gamma_action ** K`` and a chunk'
 reward is the sum of its ``K`` action rewards. EnvPool resets an environment on the
 step after its episode ends; that step's action is not executed (reward 0).
 
-    python examples/ppo.py                         # Hopper-v4 (EnvPool), ~3 min on 2 cores
-    python examples/ppo.py --quick                 # a short run, under a minute
-    python examples/ppo.py --env pendulum          # gymnax Pendulum-v1, ~2 min on 2 cores
+    python examples/ppo.py                         # Hopper-v4 (EnvPool): 1.5-2 min, 2 cores
+    python examples/ppo.py --quick                 # 15 iterations: about 20 s
+    python examples/ppo.py --env pendulum          # gymnax Pendulum-v1: under a minute
     python examples/ppo.py --env halfcheetah --iterations 200 --seed 1 --plot /tmp/hc.png
 
 Per iteration it prints the mean return of the episodes that ended in it, environment
