@@ -1,0 +1,701 @@
+"""Host simulators through the runners: environment steps per second against a plain
+hand-written loop over the same vector env, the same jitted policy and the same chunking.
+
+Two environments:
+
+- ``hopper``: gymnasium Hopper-v5, ``gymnasium.make_vec(..., vectorization_mode="sync")``
+  through :class:`jaxtraj.envs.GymnasiumEnv`, B = 8 environments in all;
+- ``halfcheetah``: EnvPool HalfCheetah-v4 (host API) through
+  :class:`jaxtraj.envs.EnvPoolEnv`, B = 16.
+
+Every configuration runs the same jitted MLP Gaussian policy (2 x 64, tanh: an action
+chunk ``[B, K, A]``, its log-probabilities ``[B, K]``, a value ``[B]``), a separate jitted
+``value_fn`` for terminal inference (an epoch's last chunk and chunks that truncate an
+episode), ``K = 4`` actions per chunk, ``T = 16`` chunks per training step, ``E = 1``:
+
+- ``a``: the floor, a hand-written loop over one vector env of B: per chunk
+  ``policy(obs) -> actions`` then K env steps (ended envs reset at once, as the adapters
+  do), ``value_fn`` where a chunk needs it; no collector, no adapter;
+- ``a_adapter``: the same loop stepping the adapter (``env.step(key, actions)``), to
+  isolate the adapter's cost;
+- ``a_collector`` (a'): loop ``a`` feeding ``TrajectoryCollector.add`` both halves of
+  every chunk (rollout mode, flushed each step), to isolate the collector's cost;
+- ``b``: :class:`~jaxtraj.runners.threads.AsyncRunner`, two env ranks (two vector envs
+  of B/2 each), ``value_fn`` on the policy side, ``run(num_steps=1)`` per training step;
+- ``c``: :class:`~jaxtraj.runners.threads.DecoupledRunner`, the same setup;
+- ``d``: :class:`~jaxtraj.runners.ray.RayRunner`, two actors (each builds its adapter),
+  policy and ``value_fn`` in the learner; ``ray.init(num_cpus=2, ...)``;
+- ``a_1core``, ``b_1core``: ``a`` and ``b`` with every thread of this process pinned to
+  one CPU (``os.sched_setaffinity``): what overlapping two ranks' env work with inference
+  buys with a second core (not ``--quick``).
+
+Measured in alternating rounds (each round runs every configuration once, rotating the
+order; a repetition is ``--steps`` training steps after a warm-up), reported as medians;
+the ratio to ``a`` is taken per round. The collector's share is the time spent inside
+``collector.add`` (flushes included) and ``collector.check_structure`` over the wall
+time (measured in whichever thread calls them: in the threaded runners that includes
+waiting for the GIL).
+
+``--camera`` adds each environment again with a drawn 64x64x3 uint8 image in the
+observation (a few pixels set from the state: MuJoCo cannot render here).
+
+    python benchmarks/host_env.py [--quick] [--camera] [--rounds 11] [--steps 4]
+
+Writes ``benchmarks/results/host_env.json`` and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import pathlib
+import statistics
+import sys
+import threading
+import time
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from collect import machine  # noqa: E402
+
+import jaxtraj  # noqa: E402
+from jaxtraj import (  # noqa: E402
+    EnvPart,
+    EnvTransition,
+    PolicyOutput,
+    PolicyPart,
+    TrajectoryKey,
+    TrajectoryPlan,
+    TrajectorySource,
+)
+from jaxtraj.envs import EnvPoolEnv, EnvSpec, GymnasiumEnv, check_spec, example_parts  # noqa: E402
+from jaxtraj.runners.threads import AsyncRunner, DecoupledRunner, EnvStep  # noqa: E402
+
+K, T, E, HIDDEN = 4, 16, 1, 64
+IMAGE = (64, 64, 3)
+f32 = jnp.float32
+
+ENVS = {
+    "hopper": dict(kind="gymnasium", task="Hopper-v5", B=8),
+    "halfcheetah": dict(kind="envpool", task="HalfCheetah-v4", B=16),
+}
+CONFIGS = ["a", "a_adapter", "a_collector", "b", "c", "d", "a_1core", "b_1core", "a_null", "b_null"]
+REF = {"b_1core": "a_1core", "b_null": "a_null"}  # a second ratio, to a like-for-like (a)
+LABELS = {
+    "a": "(a) hand loop, 1 vector env (floor)",
+    "a_adapter": "(a) hand loop over the adapter",
+    "a_collector": "(a') hand loop + collector.add",
+    "b": "(b) AsyncRunner, 2 ranks",
+    "c": "(c) DecoupledRunner, 2 ranks",
+    "d": "(d) RayRunner, 2 actors",
+    "a_1core": "(a) on 1 core",
+    "b_1core": "(b) on 1 core",
+    "a_null": "(a) over an instant env (no simulation)",
+    "b_null": "(b) over instant envs (no simulation)",
+}
+
+
+# --------------------------------------------------------------------------- envs
+
+
+def draw(state: np.ndarray) -> np.ndarray:
+    """A cheap 64x64x3 uint8 "camera" image per env: one bright pixel per state value
+    (row from the value, column from its index) on black."""
+    B, D = state.shape
+    n = min(D, 8)
+    img = np.zeros((B, *IMAGE), np.uint8)
+    rows = np.clip(np.nan_to_num(state[:, :n]) * 8 + 32, 0, 63).astype(np.int64)
+    cols = np.arange(n) * 8 + 4
+    img[np.arange(B)[:, None], rows, cols[None, :], :] = 255
+    return img
+
+
+class CameraEnv:
+    """An adapter with ``obs["image"]`` drawn from ``obs["state"]`` (obs and final_obs)."""
+
+    def __init__(self, env):
+        self.env, self.num_envs = env, env.num_envs
+
+    @staticmethod
+    def _with(obs):
+        return {"state": obs["state"], "image": draw(obs["state"])}
+
+    def reset(self):
+        return self._with(self.env.reset())
+
+    def step(self, key, actions):
+        out = self.env.step(key, actions)
+        obs = self._with(out.obs)
+        final = obs if out.final_obs is out.obs else self._with(out.final_obs)
+        return dataclasses.replace(out, obs=obs, final_obs=final)
+
+    def spec(self) -> EnvSpec:
+        s = self.env.spec()
+        obs = dict(s.obs, image=jax.ShapeDtypeStruct((s.batch_size, *IMAGE), np.uint8))
+        return dataclasses.replace(s, obs=obs)
+
+    def check_against(self, example):
+        check_spec(self.spec(), example)
+
+    def close(self):
+        self.env.close()
+
+
+def make_raw(kind: str, task: str, n: int, seed: int):
+    if kind == "gymnasium":
+        import gymnasium
+
+        return gymnasium.make_vec(task, num_envs=n, vectorization_mode="sync")
+    import envpool
+
+    return envpool.make(task, env_type="gymnasium", num_envs=n, seed=seed)
+
+
+@dataclasses.dataclass
+class EnvFactory:
+    """``env_fn(rank)``: the adapter over ``n`` fresh environments (also in a Ray actor)."""
+
+    kind: str
+    task: str
+    n: int
+    seed: int
+    camera: bool
+
+    def __call__(self, rank: int = 0):
+        seed = self.seed + 1000 * rank
+        raw = make_raw(self.kind, self.task, self.n, seed)
+        if self.kind == "gymnasium":
+            env = GymnasiumEnv(raw, actions_per_chunk=K, seed=seed)
+        else:
+            env = EnvPoolEnv(raw, actions_per_chunk=K)
+        return CameraEnv(env) if self.camera else env
+
+
+class NullEnv:
+    """An instant env of the same shapes: what is left of a training step without
+    simulation (policy, value_fn, adapter-less hand-offs, the collector)."""
+
+    def __init__(self, spec, camera):
+        self.spec_ = spec
+        self.num_envs = spec.batch_size
+        B, D = spec.obs["state"].shape
+        state = np.random.default_rng(0).standard_normal((B, D)).astype(np.float32)
+        self.obs = CameraEnv._with({"state": state}) if camera else {"state": state}
+        tr = EnvTransition(
+            rewards=np.ones((B, K), np.float32),
+            terminations=np.zeros((B, K), bool),
+            truncations=np.zeros((B, K), bool),
+        )
+        self.out = EnvStep(transition=tr, obs=self.obs, final_obs=self.obs)
+
+    def spec(self):
+        return self.spec_
+
+    def check_against(self, example):
+        check_spec(self.spec(), example)
+
+    def reset(self):
+        return self.obs
+
+    def step(self, key, actions):
+        return self.out
+
+    def close(self):
+        pass
+
+
+class RawLoopEnv:
+    """The hand loop's vector env, no adapter: one step of B envs, ended envs reset at
+    once (gymnasium: ``reset(options={"reset_mask": done})``; EnvPool: ``pool.reset(ids)``)."""
+
+    def __init__(self, kind, task, n, seed):
+        self.kind, self.raw = kind, make_raw(kind, task, n, seed)
+        if kind == "gymnasium":
+            obs, _ = self.raw.reset(seed=seed)
+            self.act_dtype = np.float32
+        else:
+            obs, _ = self.raw.reset()
+            self.act_dtype = np.float64
+        self.obs = np.asarray(obs, np.float32)
+
+    def step(self, a):
+        """-> (obs after resets, rewards, terminations, truncations, obs before resets)."""
+        raw, r, term, trunc, _ = self.raw.step(np.asarray(a, self.act_dtype))
+        term, trunc = np.asarray(term, bool), np.asarray(trunc, bool)
+        last = obs = np.asarray(raw, np.float32)
+        done = term | trunc
+        if done.any():
+            if self.kind == "gymnasium":
+                fresh, _ = self.raw.reset(options={"reset_mask": done})
+                obs = np.asarray(fresh, np.float32)
+            else:
+                ids = np.flatnonzero(done)
+                fresh, _ = self.raw.reset(ids)
+                obs = last.copy()
+                obs[ids] = fresh
+        return obs, r, term, trunc, last
+
+
+# --------------------------------------------------------------------------- policy
+
+
+def make_policy(obs_dim: int, A: int, camera: bool):
+    """A jitted MLP Gaussian policy ``(params, obs, rng) -> PolicyOutput`` and a jitted
+    ``value_fn(params, obs) -> [B]``."""
+
+    def features(obs):
+        x = obs["state"]
+        if camera:
+            img = obs["image"].astype(f32) / f32(255)
+            x = jnp.concatenate([x, img.mean(axis=(1, 2, 3))[:, None]], axis=1)
+        return x
+
+    def mlp(layers, x):
+        for w, b in layers[:-1]:
+            x = jnp.tanh(x @ w + b)
+        w, b = layers[-1]
+        return x @ w + b
+
+    def init(rng):
+        d = obs_dim + (1 if camera else 0)
+        ks = jax.random.split(rng, 6)
+
+        def layer(k, i, o):
+            return jax.random.normal(k, (i, o), f32) / f32(np.sqrt(i)), jnp.zeros((o,), f32)
+
+        actor = [layer(ks[0], d, HIDDEN), layer(ks[1], HIDDEN, HIDDEN), layer(ks[2], HIDDEN, K * A)]
+        critic = [layer(ks[3], d, HIDDEN), layer(ks[4], HIDDEN, HIDDEN), layer(ks[5], HIDDEN, 1)]
+        return {"actor": actor, "critic": critic, "log_std": jnp.full((A,), -0.5, f32)}
+
+    def value(params, obs):
+        return mlp(params["critic"], features(obs))[:, 0]
+
+    def policy(params, obs, rng):
+        x = features(obs)
+        B = x.shape[0]
+        mean = mlp(params["actor"], x).reshape(B, K, A)
+        log_std = params["log_std"]
+        noise = jax.random.normal(rng, mean.shape, f32)
+        logp = (-0.5 * noise**2 - log_std - f32(0.5 * np.log(2 * np.pi))).sum(-1)
+        return PolicyOutput(
+            actions=mean + jnp.exp(log_std) * noise,
+            prev_logprobs=logp,
+            prev_values=mlp(params["critic"], x)[:, 0],
+            versions=jnp.zeros((B,), jnp.int32),
+        )
+
+    return init, jax.jit(policy), jax.jit(value)
+
+
+# --------------------------------------------------------------------------- timing
+
+
+class CollectorTimer:
+    """Wraps a collector's ``add`` and ``check_structure`` with a timer (any thread)."""
+
+    def __init__(self, collector):
+        self.add_s = self.check_s = 0.0
+        self._lock = threading.Lock()
+        add, check = collector.add, collector.check_structure
+
+        def timed_add(part):
+            t0 = time.perf_counter()
+            try:
+                return add(part)
+            finally:
+                dt = time.perf_counter() - t0
+                with self._lock:
+                    self.add_s += dt
+
+        def timed_check(part):
+            t0 = time.perf_counter()
+            try:
+                return check(part)
+            finally:
+                dt = time.perf_counter() - t0
+                with self._lock:
+                    self.check_s += dt
+
+        collector.add, collector.check_structure = timed_add, timed_check
+
+    def total(self):
+        with self._lock:
+            return self.add_s, self.check_s
+
+
+def pin(cpus) -> None:
+    """Pin every thread of this process (XLA's, EnvPool's pools, Python's) to ``cpus``;
+    threads started later inherit the calling thread's mask."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except OSError:  # a thread that just ended
+            pass
+
+
+# --------------------------------------------------------------------------- contenders
+
+
+class HandLoop:
+    """Configurations a / a_adapter / a_collector: one vector env of B, the policy, K env
+    steps per chunk; optionally the adapter, optionally a collector fed both halves."""
+
+    def __init__(
+        self,
+        spec,
+        B,
+        params,
+        policy_fn,
+        value_fn,
+        camera,
+        seed,
+        adapter=False,
+        collector=False,
+        obs_dim=None,
+        A=None,
+    ):
+        self.B, self.params, self.camera = B, params, camera
+        self.policy_fn, self.value_fn = policy_fn, value_fn
+        self.adapter = None
+        if adapter:
+            self.adapter = (
+                adapter
+                if not isinstance(adapter, bool)
+                else EnvFactory(spec["kind"], spec["task"], B, seed, camera)(0)
+            )
+            self.obs = self.adapter.reset()
+        else:
+            self.env = RawLoopEnv(spec["kind"], spec["task"], B, seed)
+        self.step_id = 0
+        self.prev = None
+        self.collector = self.timer = None
+        if collector:
+            plan = TrajectoryPlan(num_chunks=T, num_epochs=E, batch_size=B)
+            obs_spec = {"state": jax.ShapeDtypeStruct((B, obs_dim), np.float32)}
+            if camera:
+                obs_spec["image"] = jax.ShapeDtypeStruct((B, *IMAGE), np.uint8)
+            flags = jax.ShapeDtypeStruct((B, K), np.dtype(bool))
+            env_spec = EnvSpec(
+                obs=obs_spec,
+                actions=jax.ShapeDtypeStruct((B, K, A), np.float32),
+                transition=EnvTransition(
+                    rewards=jax.ShapeDtypeStruct((B, K), np.float32),
+                    terminations=flags,
+                    truncations=flags,
+                ),
+            )
+            out = jax.eval_shape(policy_fn, params, obs_spec, jax.random.PRNGKey(0))
+            self.collector = jaxtraj.TrajectoryCollector(plan, *example_parts(env_spec, plan, out))
+            self.timer = CollectorTimer(self.collector)
+        self.base_rng = jax.random.PRNGKey(7)
+
+    def _obs(self, state):
+        return {"state": state, "image": draw(state)} if self.camera else {"state": state}
+
+    def train_step(self):
+        B, params, col = self.B, self.params, self.collector
+        rngs = np.asarray(jax.random.split(jax.random.fold_in(self.base_rng, self.step_id), T))
+        for t in range(T):
+            key = TrajectoryKey(self.step_id, 0, 0, 0, t)
+            obs = self.obs if self.adapter is not None else self._obs(self.env.obs)
+            out = self.policy_fn(params, obs, rngs[t])
+            if col is not None:
+                out = jax.tree.map(np.asarray, out)
+                out = out.replace(versions=np.zeros((B,), np.int32))
+                col.add(PolicyPart(TrajectorySource(key, B, 0), obs, out))
+            actions = np.asarray(out.actions)
+            if self.adapter is not None:
+                st = self.adapter.step(key, actions)
+                self.obs, tr, final_obs = st.obs, st.transition, st.final_obs
+                need = t == T - 1 or bool(tr.truncations.any())
+            else:
+                rewards = np.zeros((B, K), np.float32)
+                terms, truncs = np.zeros((B, K), bool), np.zeros((B, K), bool)
+                final, ended = None, np.zeros((B,), bool)
+                for k in range(K):
+                    o, r, te, tru, last = self.env.step(actions[:, k])
+                    rewards[:, k], terms[:, k], truncs[:, k] = r, te, tru
+                    done = te | tru
+                    if done.any():
+                        final = last if final is None else np.where(done[:, None], last, final)
+                        ended |= done
+                self.env.obs = o
+                tr = EnvTransition(rewards=rewards, terminations=terms, truncations=truncs)
+                need = t == T - 1 or bool(truncs.any())
+                final_obs = None
+                if need:
+                    fo = o if final is None else np.where(ended[:, None], final, o)
+                    final_obs = self._obs(fo)
+            values = np.asarray(self.value_fn(params, final_obs)) if need else None
+            if col is not None:
+                prev = self.prev
+                if prev is None:
+                    prev = jax.tree.map(np.zeros_like, tr)
+                col.add(
+                    EnvPart(
+                        TrajectorySource(key, B, 0),
+                        tr,
+                        initial_transition=prev.boundary() if t == 0 else None,
+                        final_values=values,
+                    )
+                )
+            self.prev = tr
+        self.step_id += 1
+
+    def run(self, steps):
+        for _ in range(steps):
+            self.train_step()
+
+
+class Runner:
+    """Configurations b / c / d: a runner over two env ranks of B/2, run(num_steps=1) per
+    training step."""
+
+    def __init__(self, which, spec, B, params, policy_fn, value_fn, camera, seed, null=None):
+        half = B // 2
+        factory = EnvFactory(spec["kind"], spec["task"], half, seed, camera)
+        plan = TrajectoryPlan(num_chunks=T, num_epochs=E, batch_size=half, num_env_ranks=2)
+        probe = factory(0) if which == "d" else None
+        envs = [factory(r) for r in range(2)] if which != "d" else None
+        if null is not None:
+            envs = [NullEnv(null, camera) for _ in range(2)]
+        spec_env = probe if probe is not None else envs[0]
+        out = jax.eval_shape(policy_fn, params, spec_env.spec().obs, jax.random.PRNGKey(0))
+        self.collector = jaxtraj.TrajectoryCollector(plan, *example_parts(spec_env, plan, out))
+        self.timer = CollectorTimer(self.collector)
+        if which == "d":
+            probe.close()
+            from jaxtraj.runners.ray import RayRunner
+
+            self.runner = RayRunner(
+                self.collector, factory, policy_fn, params, value_fn=value_fn, seed=seed
+            )
+        else:
+            cls = AsyncRunner if which == "b" else DecoupledRunner
+            self.runner = cls(self.collector, envs, policy_fn, params, value_fn=value_fn, seed=seed)
+        self.items = 0
+
+    def run(self, steps):
+        for _ in range(steps):
+            self.items += len(self.runner.run(num_steps=1))
+
+
+# --------------------------------------------------------------------------- the bench
+
+
+def bench_env(name, spec, configs, rounds, steps, camera, seed=0):
+    B = spec["B"]
+    probe = EnvFactory(spec["kind"], spec["task"], 1, seed, False)(0).spec()
+    obs_dim, A = probe.obs["state"].shape[1], probe.actions.shape[2]
+    init, policy_fn, value_fn = make_policy(obs_dim, A, camera)
+    params = init(jax.random.PRNGKey(0))
+    common = dict(params=params, policy_fn=policy_fn, value_fn=value_fn, camera=camera, seed=seed)
+    made = {}
+
+    def null_spec(n):  # the adapter's spec (image included), for an instant env
+        env = EnvFactory(spec["kind"], spec["task"], n, seed, camera)(0)
+        out = env.spec()
+        env.close()
+        return out
+
+    for c in configs:
+        base = c.split("_1core")[0]
+        if c == "a_null":
+            made[c] = HandLoop(spec, B, adapter=NullEnv(null_spec(B), camera), **common)
+            continue
+        if c == "b_null":
+            made[c] = Runner("b", spec, B, null=null_spec(B // 2), **common)
+            continue
+        if base in made:
+            made[c] = made[base]
+            continue
+        if base == "a":
+            made[c] = HandLoop(spec, B, **common)
+        elif base == "a_adapter":
+            made[c] = HandLoop(spec, B, adapter=True, **common)
+        elif base == "a_collector":
+            made[c] = HandLoop(spec, B, collector=True, obs_dim=obs_dim, A=A, **common)
+        else:
+            made[c] = Runner(base, spec, B, **common)
+        made[base] = made[c]
+    # Warm-up: compiles (both policy batch shapes), actor start-up, first flushes.
+    for c in configs:
+        if "_1core" not in c:
+            made[c].run(2)
+    all_cpus = os.sched_getaffinity(0)
+    one = {min(all_cpus)}
+    per_step = T * K * B
+    sps = {c: [] for c in configs}
+    share = {c: [] for c in configs}
+    add_share = {c: [] for c in configs}
+    for r in range(rounds):
+        order = configs[r % len(configs) :] + configs[: r % len(configs)]
+        for c in order:
+            obj = made[c]
+            timer = getattr(obj, "timer", None)
+            before = timer.total() if timer else (0.0, 0.0)
+            if c.endswith("_1core"):
+                pin(one)
+            try:
+                t0 = time.perf_counter()
+                obj.run(steps)
+                wall = time.perf_counter() - t0
+            finally:
+                if c.endswith("_1core"):
+                    pin(all_cpus)
+            sps[c].append(steps * per_step / wall)
+            if timer:
+                add, check = (x - y for x, y in zip(timer.total(), before))
+                share[c].append((add + check) / wall)
+                add_share[c].append(add / wall)
+        print(
+            f"  {name} round {r + 1}/{rounds}: "
+            + ", ".join(f"{c} {sps[c][-1]:.0f}" for c in configs),
+            flush=True,
+        )
+    res = {
+        "B": B,
+        "obs_dim": int(obs_dim),
+        "action_dim": int(A),
+        "camera": camera,
+        "task": spec["task"],
+        "library": spec["kind"],
+        "configs": {},
+    }
+    for c in configs:
+        ratios = [x / a for x, a in zip(sps[c], sps["a"])]
+        entry = {
+            "label": LABELS[c],
+            "steps_per_s_median": statistics.median(sps[c]),
+            "ms_per_training_step_median": 1e3 * per_step / statistics.median(sps[c]),
+            "steps_per_s": sps[c],
+            "ratio_to_a_median": statistics.median(ratios),
+            "ratio_to_a_per_round": ratios,
+        }
+        ref = REF.get(c)
+        if ref in sps and ref != c:
+            entry["ratio_to"] = ref
+            entry["ratio_to_ref_median"] = statistics.median(
+                [x / a for x, a in zip(sps[c], sps[ref])]
+            )
+        if share[c]:
+            entry["collector_share_median"] = statistics.median(share[c])
+            entry["collector_add_share_median"] = statistics.median(add_share[c])
+        res["configs"][c] = entry
+    for obj in {id(o): o for o in made.values()}.values():
+        runner = getattr(obj, "runner", None)
+        if runner is not None and hasattr(runner, "close"):
+            runner.close()
+    return res
+
+
+def cores_line(res) -> str:
+    """One line: what the runners gain from a second core (b against a, 1 vs 2 cores)."""
+    cfg = res["configs"]
+    if not {"a", "b", "a_1core", "b_1core"} <= set(cfg):
+        return "More cores: not measured here (run without --quick for the 1-core pass)."
+    two, one = cfg["b"]["ratio_to_a_median"], cfg["b_1core"]["ratio_to_ref_median"]
+    gain_a = cfg["a"]["steps_per_s_median"] / cfg["a_1core"]["steps_per_s_median"]
+    gain_b = cfg["b"]["steps_per_s_median"] / cfg["b_1core"]["steps_per_s_median"]
+    return (
+        f"More cores: (b)/(a) is {one:.2f}x on 1 core and {two:.2f}x on 2; the second core "
+        f"speeds (a) up {gain_a:.2f}x and (b) {gain_b:.2f}x (the runner overlaps two ranks' "
+        f"env work with inference; the hand loop steps one vector env after the policy)."
+    )
+
+
+def table(results) -> str:
+    lines = []
+    for res in results.values():
+        lines.append(
+            f"\n**{res['task']}** ({res['library']}, B={res['B']}, K={K}, T={T}, E={E}"
+            f"{', camera 64x64x3 uint8' if res['camera'] else ''})\n"
+        )
+        lines.append(
+            "| configuration | env steps/s | ms / training step | ratio to (a) | collector share |"
+        )
+        lines.append("|---|---:|---:|---:|---:|")
+        for e in res["configs"].values():
+            ratio = f"{e['ratio_to_a_median']:.2f}x"
+            if "ratio_to" in e:
+                ratio += f" ({e['ratio_to_ref_median']:.2f}x of {LABELS[e['ratio_to']][:3]} "
+                ratio += f"{e['ratio_to'].split('_', 1)[1].replace('1core', 'on 1 core')})"
+            sh = e.get("collector_share_median")
+            if sh is not None:
+                sh = f"{100 * sh:.1f}% (add {100 * e['collector_add_share_median']:.1f}%)"
+            lines.append(
+                f"| {e['label']} | {e['steps_per_s_median']:.0f} | "
+                f"{e['ms_per_training_step_median']:.1f} | {ratio} | {sh or '-'} |"
+            )
+        lines.append("")
+        lines.append(cores_line(res))
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="3 rounds of 1 step, no 1-core runs")
+    parser.add_argument("--camera", action="store_true", help="also with a 64x64x3 image")
+    parser.add_argument("--envs", default=",".join(ENVS))
+    parser.add_argument("--configs", default=None, help="comma-separated, of " + ",".join(CONFIGS))
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=None, help="training steps per repetition")
+    parser.add_argument("--out", default=str(HERE / "results" / "host_env.json"))
+    args = parser.parse_args()
+    rounds = args.rounds or (3 if args.quick else 11)
+    steps = args.steps or (1 if args.quick else 4)
+    default = [c for c in CONFIGS if not (args.quick and c.endswith("_1core"))]
+    configs = args.configs.split(",") if args.configs else default
+    assert configs[0] == "a" and set(configs) <= set(CONFIGS), configs
+    if "d" in configs:
+        import ray
+
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    cases = [(n, False) for n in args.envs.split(",")]
+    if args.camera:
+        cases += [(n, True) for n in args.envs.split(",")]
+    t_start = time.perf_counter()
+    load_start = os.getloadavg()
+    results = {}
+    for name, camera in cases:
+        key = name + ("_camera" if camera else "")
+        print(f"{key}: {ENVS[name]['task']} B={ENVS[name]['B']}", flush=True)
+        results[key] = bench_env(key, ENVS[name], configs, rounds, steps, camera)
+    if "d" in configs:
+        ray.shutdown()
+    out = {
+        "benchmark": "host_env",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": machine(),
+        "jax_backend": jax.default_backend(),
+        "sizes": {"K": K, "T": T, "E": E, "hidden": HIDDEN, "image": list(IMAGE)},
+        "rounds": rounds,
+        "training_steps_per_repetition": steps,
+        "seconds": time.perf_counter() - t_start,
+        # Other processes' load on this shared machine (1-minute load average, start / end):
+        # near or above the CPU count, the "second core" is mostly someone else's.
+        "load_average_1min": [load_start[0], os.getloadavg()[0]],
+        "results": results,
+    }
+    path = pathlib.Path(args.out)
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    m = out["machine"]
+    print(
+        f"\n{m['cpu_model']}, {m['cpu_count']} CPUs, jax {m['jax']} ({out['jax_backend']}); "
+        f"medians of {rounds} alternating rounds of {steps} training steps; 1-min load "
+        f"average {out['load_average_1min'][0]:.1f} -> {out['load_average_1min'][1]:.1f}"
+    )
+    print(table(results))
+    print(f"\nwrote {path} ({out['seconds']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
