@@ -42,7 +42,7 @@ class PointMass:
 
     def step(self, key, actions):
         threading.Event().wait(self.rand.uniform(0, 0.002))  # a simulator that takes time
-        self.state, r, term, trunc, final_obs = env_step_chunk(
+        self.state, r, term, trunc, final_obs, _ = env_step_chunk(
             self.state, jnp.asarray(actions), key_rng(1, key)
         )
         return EnvStep(

@@ -40,9 +40,11 @@ def observe(s):
 def env_step_chunk(state, actions, rng):
     """Execute ``actions [B, K, A]``; auto-reset inside the chunk.
 
-    Returns the new state, rewards, terminations and truncations ``[B, K]``, and the
+    Returns the new state, rewards, terminations and truncations ``[B, K]``, the
     final observation of each environment: the one before its last reset in the chunk
-    (what terminal inference bootstraps a truncation from), else the current one.
+    (what terminal inference bootstraps a truncation from), else the current one, and
+    the observation each action was taken from ``[B, K, OBS]`` (after a reset, the new
+    episode's).
     """
 
     def one(carry, a):
@@ -59,15 +61,15 @@ def env_step_chunk(state, actions, rng):
         keep = lambda new, old: jnp.where(done[:, None], new, old)
         nxt = {"pos": keep(fresh["pos"], pos), "goal": s["goal"], "t": jnp.where(done, 0, t)}
         final = {"pos": keep(pos, final["pos"]), "any": final["any"] | done}
-        return (nxt, final, rng), (reward, terminated, truncated)
+        return (nxt, final, rng), (reward, terminated, truncated, observe(s))
 
     final = {"pos": state["pos"], "any": jnp.zeros(state["t"].shape, bool)}
-    (state, final, _), (r, term, trunc) = jax.lax.scan(
+    (state, final, _), (r, term, trunc, seen) = jax.lax.scan(
         one, (state, final, rng), jnp.swapaxes(actions, 0, 1)
     )
     final_pos = jnp.where(final["any"][:, None], final["pos"], state["pos"])
     final_obs = jnp.concatenate([final_pos, state["goal"]], axis=-1)
-    return state, r.T, term.T, trunc.T, final_obs
+    return state, r.T, term.T, trunc.T, final_obs, jnp.swapaxes(seen, 0, 1)
 
 
 @jax.jit
@@ -81,12 +83,14 @@ def policy(params, obs, rng):
     return actions, logp, value
 
 
-def run_chunk(params, state, rng, key, initial_flags):
+def run_chunk(params, state, rng, key, initial_flags, per_action_obs=False):
     """One action chunk: policy inference, then the environment executes it.
 
     Args:
       initial_flags: chunk zero's ``(terminations, truncations)`` before its first
         action (the previous chunk's flags), ``None`` for other chunks.
+      per_action_obs: the env half carries the observation of every action
+        (``action_obs``: what a dataset frame shows).
 
     Returns:
       ``(policy_part, env_part, state, flags, rng)``: both halves of the chunk, the
@@ -106,7 +110,7 @@ def run_chunk(params, state, rng, key, initial_flags):
         versions=np.zeros((B,), np.int32),
         forward_inputs={"obs": np.asarray(obs)},
     )
-    state, r, term, trunc, final_obs = env_step_chunk(state, actions, k2)
+    state, r, term, trunc, final_obs, seen = env_step_chunk(state, actions, k2)
     term, trunc = np.asarray(term), np.asarray(trunc)
     initial = None
     if initial_flags is not None:  # the boundary before the first action
@@ -120,6 +124,7 @@ def run_chunk(params, state, rng, key, initial_flags):
         # Terminal inference: V(final obs) bootstraps truncations; on the last chunk it
         # is also V(s_T).
         final_values=np.asarray(final_obs @ params["v"]),
+        action_obs={"state": np.asarray(seen)} if per_action_obs else None,
     )
     return policy_part, env_part, state, (term, trunc), rng
 
@@ -139,7 +144,9 @@ def collect(args):
         flags = (np.zeros((B, K), bool), np.zeros((B, K), bool))
         for epoch in range(E):
             for chunk in range(T):
-                key = TrajectoryKey(step_id=0, epoch_id=epoch, env_rank=rank, stage_id=0, chunk_id=chunk)
+                key = TrajectoryKey(
+                    step_id=0, epoch_id=epoch, env_rank=rank, stage_id=0, chunk_id=chunk
+                )
                 policy_part, env_part, state, flags, rng = run_chunk(
                     params, state, rng, key, flags if chunk == 0 else None
                 )

@@ -4,7 +4,8 @@ The point-mass environment of ``collect_rollout.py`` (episodes of at most 20 act
 auto-reset inside chunks) runs ``B`` environments; each training step collects ``T``
 chunks of ``K`` actions, so episodes cross training-step boundaries: the collector
 keeps each environment's running episode on device and writes an episode once it
-ends. One frame per executed action.
+ends. One frame per executed action, showing the observation that action was taken from
+(the env halves carry them: ``EnvPart.action_obs``).
 
 Each observation also carries a 96x96 RGB camera, ``top``, rendered from the state (the
 point mass as a disc moving over a shaded floor, the goal as a ring): the dataset gets a
@@ -56,11 +57,15 @@ def step_halves(params, env_state, flags, rng, *, step, T, camera=True):
     for chunk in range(T):
         key = TrajectoryKey(step, 0, 0, 0, chunk)
         policy_part, env_part, env_state, last, rng = run_chunk(
-            params, env_state, rng, key, flags if chunk == 0 else None
+            params, env_state, rng, key, flags if chunk == 0 else None, per_action_obs=True
         )
-        if camera:
-            obs = policy_part.obs
+        if camera:  # the camera of every observation: the chunk's and each action's
+            obs, seen = policy_part.obs, env_part.action_obs
             policy_part = policy_part.replace(obs={**obs, "top": render(obs["state"])})
+            views = render(seen["state"].reshape(-1, OBS)).reshape(
+                seen["state"].shape[:2] + (SIZE, SIZE, 3)
+            )
+            env_part = env_part.replace(action_obs={**seen, "top": views})
         halves += [policy_part, env_part]
     return halves, env_state, last, rng
 

@@ -90,7 +90,7 @@ def check_payload(name: str, data: Any, buffer: Any, lead: int, key: Any = None)
     b_leaves, b_def = jax.tree.flatten(buffer)
     if d_def != b_def:
         raise CollectorError(
-            key, ErrorCode.STRUCTURE_MISMATCH, f"{name}: structure {d_def} != plan's {b_def}"
+            key, ErrorCode.STRUCTURE_MISMATCH, f"{name}: {structure_diff(data, buffer, lead)}"
         )
     rows = None
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(buffer)[0]]
@@ -120,6 +120,34 @@ def check_payload(name: str, data: Any, buffer: Any, lead: int, key: Any = None)
     return rows if rows is not None else 0
 
 
+def structure_diff(data: Any, buffer: Any, lead: int) -> str:
+    """What differs between a payload's tree and its buffer's, by field path: the fields
+    missing from the payload and the extra ones, each with its shape and dtype (the
+    buffer's per row); else the two tree structures (a container of another type)."""
+
+    def described(tree, drop):
+        out = {}
+        for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            shape = tuple(np.shape(x))[drop:]
+            dtype = getattr(x, "dtype", type(x).__name__)
+            out[jax.tree_util.keystr(path)] = f"[rows, *{list(shape)}] {dtype}"
+        return out
+
+    have, want = described(data, 1), described(buffer, lead + 1)
+    missing = [f"{p} (plan has {want[p]})" for p in want if p not in have]
+    extra = [f"{p} ({have[p]})" for p in have if p not in want]
+    parts = []
+    if missing:
+        parts.append("missing " + ", ".join(missing))
+    if extra:
+        parts.append("not in the plan's example " + ", ".join(extra))
+    if not parts:
+        return (
+            f"structure {jax.tree.structure(data)} != plan's {jax.tree.structure(buffer)}"
+        )
+    return "; ".join(parts)
+
+
 def check_key_dtypes(source: Any, key: Any = None) -> None:
     """Key fields, ``batch_size`` and ``offset`` must be integers (``chunk_id=1.5`` is
     not chunk 1)."""
@@ -132,6 +160,24 @@ def check_key_dtypes(source: Any, key: Any = None) -> None:
             raise CollectorError(
                 key, ErrorCode.STRUCTURE_MISMATCH, f"source.{name} must be an integer, got {v!r}"
             )
+
+
+def expert_half(plan: TrajectoryPlan, state: Any, part: PolicyPart, xp: Any, key: Any = None):
+    """A policy half that lacks output fields the buffers hold (an expert's or a
+    teleoperator's: not inferred): zero-filled in lerobot mode, which records what was
+    executed; refused in the modes that train on log-probabilities and values."""
+    missing = part.missing_outputs(state.policy.output)
+    if not missing:
+        return part
+    if plan.mode != "lerobot":
+        raise CollectorError(
+            key,
+            ErrorCode.STRUCTURE_MISMATCH,
+            f"a policy half without PolicyOutput.{', .'.join(missing)} (an expert's or a "
+            f"teleoperator's, not inferred) is taken in lerobot mode only; {plan.mode} mode "
+            "trains on them",
+        )
+    return part.as_expert(state.policy.output, state.lead, xp)
 
 
 def policy_structure(state: Any, part: PolicyPart, key: Any = None) -> Layout:
@@ -152,6 +198,8 @@ def env_structure(state: Any, part: EnvPart, key: Any = None) -> Layout:
     check_key_dtypes(part.source, key)
     lead, layout = state.lead, state.env
     optional = dict(initial_transition=None, final_values=None, next_obs=None, next_rlt_obs=None)
+    if layout.action_obs is None:  # not retained (not lerobot mode, or not in the example)
+        optional["action_obs"] = None
     payload = part.replace(source=None, **optional)
     rows = check_payload("EnvPart", payload, layout.replace(**optional), lead, key)
     _check_interventions(state, part.transition, key)

@@ -85,6 +85,12 @@ class TrajectoryCollector:
         self._store = storage_for(storage, plan, policy_example, env_example, self.mode,
                                   sources, step_id)
         self._mode_states = [self.mode.init(lay) for lay in self._store.layouts]
+        # Per-action observations are retained in lerobot mode only (when the example has
+        # them); elsewhere an env half's are dropped on arrival, as the pure add_env does.
+        self._drop_action_obs = self._checks.layout.env.action_obs is None
+        # The policy outputs the buffers hold: a half without one of them is an expert's.
+        out = self._checks.layout.policy.output
+        self._outputs = tuple(f for f in out.__dataclass_fields__ if getattr(out, f) is not None)
 
     # -- what it holds --------------------------------------------------------------------
 
@@ -125,7 +131,23 @@ class TrajectoryCollector:
           CollectorError: ``STRUCTURE_MISMATCH`` naming the field.
         """
         key = part.source.key.as_tuple() if hasattr(part, "source") else None
-        return self._checks.structure(part, False, key)
+        return self._checks.structure(self._admit(part), False, key)
+
+    def _admit(self, part: Any) -> Any:
+        """The part as the buffers hold it: per-action observations dropped where they
+        are not retained; an expert's policy half (no log-probabilities, values, ...)
+        zero-filled in lerobot mode, refused in the others (``STRUCTURE_MISMATCH``)."""
+        kind = type(part)
+        if kind is EnvPart:
+            if self._drop_action_obs and part.action_obs is not None:
+                return part.replace(action_obs=None)
+        elif kind is PolicyPart:
+            out = part.output
+            for name in self._outputs:
+                if getattr(out, name) is None:
+                    key = part.source.key.as_tuple()
+                    return checks.expert_half(self.plan, self._checks.layout, part, np, key)
+        return part
 
     def current_step(self, env_rank: int = 0, stage_id: int = 0) -> int:
         """The training step a source currently accepts."""
@@ -173,6 +195,7 @@ class TrajectoryCollector:
           CollectorError: the part is rejected; nothing changes.
         """
         m = self.mirror
+        part = self._admit(part)
         try:
             s, e, t, off, layout, leaves, treedef = self._checks.one(
                 part, m.rows.get(type(part)), m.step
@@ -199,8 +222,8 @@ class TrajectoryCollector:
         inserted.
         """
         if isinstance(parts, (PolicyPart, EnvPart)):
-            return self._add_stacked([parts])
-        parts = list(parts)
+            return self._add_stacked([self._admit(parts)])
+        parts = [self._admit(p) for p in parts]
         if not parts:
             return []
         if not self._store.owned:  # device storage: one jitted insert per group
@@ -291,6 +314,37 @@ class TrajectoryCollector:
         return [item for c in self.mode.scopes(self.mirror) for item in self._flush(c)]
 
     # -- faults ---------------------------------------------------------------------------
+
+    def end(self) -> Items:
+        """End collection: hand over what the output mode still holds between scopes.
+
+        Lerobot mode writes every running episode (to the writer, and returns them as
+        ``flush`` items do), its last frame marked done and truncated: the recording
+        ended it, not the environment. Call it after the last training step's flush,
+        before closing the writer. Rollout and pipeline modes hold nothing between
+        scopes: ``[]``.
+
+        Raises:
+          CollectorError: ``INCOMPLETE_SCOPE`` while a training step has halves collected
+            but is not complete (its frames would be lost); nothing is written. Complete
+            it (``missing()`` says what it waits for), then call again.
+        """
+        m = self.mirror  # halves received in epochs not flushed yet: they would be lost
+        unflushed = (m.received > 0) & ~m.flushed[None, :]
+        partial = [self.sources[s] for s in np.flatnonzero(unflushed.any(axis=1))]
+        if partial:
+            left = self.missing()
+            raise CollectorError(
+                None,
+                ErrorCode.INCOMPLETE_SCOPE,
+                f"sources {partial} have a training step half collected: "
+                f"{len(left)} slots missing, first {left[:3]}",
+            )
+        out: Items = []
+        for i, mode_state in enumerate(self._mode_states):
+            items, self._mode_states[i] = self.mode.end(mode_state, i)
+            out += items
+        return out
 
     def missing(self) -> list[tuple[tuple[int, ...], str, int]]:
         """What the current step still waits for: ``(key, half, rows missing)`` per slot."""

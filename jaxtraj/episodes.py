@@ -119,3 +119,27 @@ def completed_episodes(batch: EpisodeBatch) -> list[list[dict[str, Any]]]:
             eps.append({name: x[b][rows] for name, x in frames.items()})
         out.append(eps)
     return out
+
+
+def running_episodes(state: EpisodeState) -> list[dict[str, Any] | None]:
+    """Per environment, its running episode as a dict of host arrays ``[length, ...]``
+    with its last frame marked ``next.done`` and ``next.truncated`` (when those features
+    exist): the recording ended it. ``None`` where no episode is running."""
+    frames = jax.tree.map(jax.device_get, state.frames)
+    length = jax.device_get(state.length)
+    out = []
+    for b, n in enumerate(length.tolist()):
+        if not n:
+            out.append(None)
+            continue
+        ep = {name: x[b][:n].copy() for name, x in frames.items()}
+        for key in ("next.done", "next.truncated"):
+            if key in ep:
+                ep[key][-1] = True
+        out.append(ep)
+    return out
+
+
+def cleared(state: EpisodeState) -> EpisodeState:
+    """No episode running (the buffers kept: lengths are what count)."""
+    return state.replace(length=jnp.zeros_like(state.length))

@@ -24,6 +24,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxtraj import checks
@@ -41,10 +42,14 @@ def _put(buffer: PyTree, data: PyTree, start: tuple) -> PyTree:
     ``start`` indexes the leading axes, ending with the row offset.
     """
 
+    # Indices of one dtype, int32 like the key's (Python ints would be int64 under
+    # jax_enable_x64, beside int32 key fields).
+    at = tuple(i.astype(jnp.int32) if hasattr(i, "astype") else np.int32(i) for i in start)
+
     def one(buf, x):
         x = jnp.asarray(x, buf.dtype)
         x = x.reshape((1,) * (len(start) - 1) + x.shape)
-        return lax.dynamic_update_slice(buf, x, tuple(start) + (0,) * (x.ndim - len(start)))
+        return lax.dynamic_update_slice(buf, x, at + (np.int32(0),) * (x.ndim - len(start)))
 
     return jax.tree.map(one, buffer, data)
 
@@ -70,6 +75,7 @@ def _route(plan, state, part, rows, rows_mask):
     key = src.key
     if state.stacked:
         found, s = checks.locate(jnp, state.sources, key.env_rank, key.stage_id)
+        s = as32(s)  # an argmax: int64 under jax_enable_x64; indices share one dtype
         prefix, step = (s,), state.step[s]
     else:
         found = (state.sources[0] == key.env_rank) & (state.sources[1] == key.stage_id)
@@ -98,6 +104,8 @@ def add_policy(plan: TrajectoryPlan, state: CollectorState, part: PolicyPart) ->
     Returns:
       The new state. A rejected part changes nothing but the error record.
     """
+    if isinstance(part, PolicyPart):  # an expert's half: lerobot mode only (zero-filled)
+        part = checks.expert_half(plan, state, part, jnp)
     rows = checks.policy_structure(state, part).rows
     rules, start, s, key = _route(plan, state, part, rows, state.policy_rows)
     rules.append((_nonfinite(plan, part), ErrorCode.NON_FINITE))
@@ -149,6 +157,7 @@ def add_env(plan: TrajectoryPlan, state: CollectorState, part: EnvPart) -> Colle
         final_values=optional(layout.has_final, part.final_values, env.final_values),
         next_obs=optional(layout.has_next, part.next_obs, env.next_obs),
         next_rlt_obs=optional(layout.has_rlt, part.next_rlt_obs, env.next_rlt_obs),
+        action_obs=part.action_obs if env.action_obs is not None else None,
     )
 
     def write(st):

@@ -109,6 +109,11 @@ def env_layout(plan: TrajectoryPlan, policy_example: PolicyPart, env_example: En
         next_rlt = env_example.next_rlt_obs
         if next_rlt is None:
             next_rlt = rlt_features(policy_example.output.forward_inputs)
+    # Per-action observations: dataset frames need them (lerobot mode, a frame per
+    # action); elsewhere they
+    # cost K observation buffers for nothing, and are ignored.
+    per_action = plan.mode == "lerobot" and plan.lerobot_frame == "action"
+    action_obs = env_example.action_obs if per_action else None
     return EnvPart(
         source=None,
         transition=env_example.transition,
@@ -116,6 +121,7 @@ def env_layout(plan: TrajectoryPlan, policy_example: PolicyPart, env_example: En
         initial_transition=None,
         final_values=final,
         next_rlt_obs=next_rlt,
+        action_obs=action_obs,
     )
 
 

@@ -273,6 +273,8 @@ class HostStorage:
             pair(d_policy, probe.replace(source=None))
             return _Plan(tuple(copies), (), ())
         pair(d_env.transition, probe.transition)
+        if d_env.action_obs is not None:  # retained: every env half carries them
+            pair(d_env.action_obs, probe.action_obs)
         for name, has in (
             ("final_values", layout.has_final),
             ("next_obs", layout.has_next),

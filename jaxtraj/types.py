@@ -16,6 +16,7 @@ part or to a whole buffer ``[E, T, B, ...]`` alike.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
@@ -94,7 +95,7 @@ def rows_of(payload: PyTree) -> int:
     return sizes.pop()
 
 
-_PER_ACTION = ("rewards", "terminations", "truncations", "dones", "reward_model_output")
+_PER_ACTION = ("rewards", "terminations", "truncations", "dones", "reward_model_output", "success")
 
 
 def chunk_size(actions: Any, transition: Any, start: int = 1, key: Any = None) -> int:
@@ -213,6 +214,26 @@ class PolicyPart(_Fragmentable):
     obs: PyTree
     output: PolicyOutput
 
+    def missing_outputs(self, layout: PolicyOutput) -> list[str]:
+        """The ``PolicyOutput`` fields the buffers ``layout`` hold that this half lacks:
+        a half that was not inferred (a human's or a scripted expert's actions) has no
+        log-probabilities, values or versions."""
+        out = self.output
+        return [
+            f.name
+            for f in dataclasses.fields(out)
+            if getattr(out, f.name) is None and getattr(layout, f.name) is not None
+        ]
+
+    def as_expert(self, layout: PolicyOutput, lead: int, xp: Any = np) -> PolicyPart:
+        """This half with the output fields it lacks (:meth:`missing_outputs`) filled with
+        zeros shaped like ``layout``'s rows (``lead`` leading buffer axes before them):
+        how lerobot mode stores an expert's half. ``xp``: numpy or ``jax.numpy``."""
+        rows = np.shape(self.output.actions)[0]
+        zeros = lambda b: xp.zeros((rows,) + tuple(b.shape[lead + 1 :]), b.dtype)
+        fill = {n: jax.tree.map(zeros, getattr(layout, n)) for n in self.missing_outputs(layout)}
+        return self.replace(output=self.output.replace(**fill))
+
     @classmethod
     def at(
         cls,
@@ -250,6 +271,9 @@ class EnvTransition:
       intervene_actions: ``[B, K*A]`` (or ``[B, K, A]``) actions a human executed.
       intervene_flags: ``[B, K]`` bool, which actions of the chunk were intervened.
       reward_model_output: reward-model score shaped like ``rewards``.
+      success: ``[B]`` or ``[B, K]`` bool, the task was accomplished at that action (an
+        info flag such as ``is_success``, or the termination of a task that ends when it
+        succeeds); lerobot mode records it as ``next.success``.
     """
 
     rewards: Array | None = None
@@ -259,6 +283,7 @@ class EnvTransition:
     intervene_actions: Array | None = None
     intervene_flags: Array | None = None
     reward_model_output: Array | None = None
+    success: Array | None = None
 
     def resolved_dones(self, xp: Any = jnp) -> Array | None:
         """``dones`` if given, else ``terminations | truncations`` (``None`` if neither).
@@ -354,6 +379,12 @@ class EnvPart(_Fragmentable):
       final_values: ``[B]`` value of the post-action observation from terminal
         inference. The last chunk's is the bootstrap value ``V(s_T)``.
       next_rlt_obs: optional compact RLT features of the next state.
+      action_obs: optional per-action observations, leaves ``[B, K, ...]`` shaped like
+        the policy half's observation with a ``K`` axis: the observation each action of
+        the chunk was taken from (action 0's is the chunk's pre-action observation;
+        after an episode ended at action ``k``, action ``k + 1``'s is the new episode's
+        reset observation). Retained in lerobot mode only, when the plan's env example
+        carries them (dataset frames show them); ignored by the other modes.
     """
 
     source: TrajectorySource
@@ -362,6 +393,7 @@ class EnvPart(_Fragmentable):
     initial_transition: EnvTransition | None = None
     final_values: Array | None = None
     next_rlt_obs: PyTree | None = None
+    action_obs: PyTree | None = None
 
     @classmethod
     def at(
@@ -379,6 +411,7 @@ class EnvPart(_Fragmentable):
         initial_transition: EnvTransition | None = None,
         final_values: Array | None = None,
         next_rlt_obs: PyTree | None = None,
+        action_obs: PyTree | None = None,
         **transition: Any,
     ) -> EnvPart:
         """An env half from keyword key fields and ``EnvTransition`` fields
@@ -397,6 +430,7 @@ class EnvPart(_Fragmentable):
             initial_transition=initial_transition,
             final_values=final_values,
             next_rlt_obs=next_rlt_obs,
+            action_obs=action_obs,
         )
 
 
@@ -492,6 +526,8 @@ class TrajectoryStep:
     next_obs: PyTree | None = None
     rlt_obs: PyTree | None = None
     next_rlt_obs: PyTree | None = None
+    action_obs: PyTree | None = None
+    success: Array | None = None
 
     @classmethod
     def from_parts(
@@ -529,6 +565,8 @@ class TrajectoryStep:
             if plan.enable_rlt
             else None,
             next_rlt_obs=env.next_rlt_obs if plan.enable_rlt else None,
+            action_obs=env.action_obs,
+            success=tr.success,
         )
         if tr.intervene_actions is not None:
             step = step.apply_interventions(tr.intervene_actions, tr.intervene_flags)
@@ -591,6 +629,8 @@ class Trajectory:
         prev_values:    [E, T+1, B(, 1)]                   index T: V(s_final)
         next_obs:       [E, T, B, ...] (collect_transitions only)
         rlt_obs, next_rlt_obs: {z_rl, proprio, ref_chunk} [E, T, B, ...] (enable_rlt only)
+        action_obs:     [E, T, B, K, ...] (lerobot mode, when env halves carry them)
+        success:        [E, T, B(, K)] (when env halves carry it)
 
     ``step_id``, ``env_rank`` and ``stage_id`` name the source and step.
     """
@@ -613,6 +653,8 @@ class Trajectory:
     step_id: Array
     env_rank: Array
     stage_id: Array
+    action_obs: PyTree | None = None
+    success: Array | None = None
 
     def intervened_segments(self, mode: str = "any") -> list[tuple[int, int, int, int]]:
         """Runs of intervened chunks, for DAgger- or HIL-style training (host side).
@@ -698,6 +740,8 @@ class Trajectory:
             step_id=jnp.asarray(step_id, jnp.int32),
             env_rank=jnp.asarray(env_rank, jnp.int32),
             stage_id=jnp.asarray(stage_id, jnp.int32),
+            action_obs=steps.action_obs,
+            success=steps.success,
         )
 
 
@@ -734,9 +778,13 @@ def trajectory_frames(
     chunk. Features follow LeRobot's names: ``observation.state`` (the observation
     leaf ``state_key``), other vector observations as ``observation.<key>``,
     cameras as ``observation.images.<key>``, ``action``, ``next.reward``,
-    ``next.done``, ``next.truncated``, and ``intervention`` when interventions are
-    recorded. Per action, the chunk's pre-action observation stands for every frame
-    of the chunk (the chunk contract carries no per-action observations).
+    ``next.done``, ``next.truncated``, ``next.success`` when the env halves carry
+    ``EnvTransition.success``, and ``intervention`` when interventions are recorded.
+    Per action, frame ``k`` of a chunk shows the observation action ``k`` was taken
+    from: ``traj.action_obs`` (the env halves' per-action observations), so after an
+    episode ends mid-chunk the next episode starts with its own reset observation.
+    Without them the chunk's pre-action observation stands for each of its frames
+    (lerobot mode refuses that for ``K > 1``).
 
     Which observation leaves are exported, by their per-frame shape: ``[D]`` as a
     vector; ``[H, W, 3]`` ``uint8`` as a camera (the images travel with the frames,
@@ -749,6 +797,11 @@ def trajectory_frames(
     """
     k = actions_per_chunk
     obs = traj.obs if isinstance(traj.obs, dict) else {state_key: traj.obs}
+    per_obs = None  # leaves [E, T, B, K, ...]
+    if per_action and traj.action_obs is not None:
+        per_obs = traj.action_obs if isinstance(traj.action_obs, dict) else {
+            state_key: traj.action_obs
+        }
     frames: dict[str, Array] = {}
     for name, leaf in obs.items():
         if leaf.ndim == 6:  # [E, T, B, H, W, C]: a camera
@@ -762,7 +815,9 @@ def trajectory_frames(
             key = "observation.state" if name == state_key else f"observation.{name}"
         else:
             continue
-        if per_action:
+        if per_obs is not None:
+            frames[key] = _flat_actions(per_obs[name])
+        elif per_action:
             frames[key] = _flat_actions(jnp.repeat(leaf[:, :, :, None], k, axis=3))
         else:
             frames[key] = _flat_chunks(leaf)
@@ -780,4 +835,6 @@ def trajectory_frames(
     if traj.intervene_flags is not None:
         flags = traj.intervene_flags.reshape(traj.intervene_flags.shape[:3] + (k, -1)).any(-1)
         frames["intervention"] = _event_frames(flags, per_action, k, jnp.any)
+    if traj.success is not None:
+        frames["next.success"] = _event_frames(traj.success, per_action, k, jnp.any)
     return frames, frames["next.done"][..., 0]

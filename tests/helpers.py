@@ -46,8 +46,24 @@ def policy_part(chunk, epoch=0, env_rank=0, step=0, stage=0, rows=B):
     )
 
 
-def env_part(chunk, epoch=0, env_rank=0, step=0, stage=0, rows=B, done_at=None):
-    """A full env half whose values encode its key.
+def action_obs(chunk, epoch=0, env_rank=0, step=0, rows=B):
+    """Per-action observations ``[rows, K, ...]`` of a chunk: action 0's is the policy
+    half's observation, action ``k``'s adds ``k / 100`` to the state (and ``k`` to the
+    image), so a frame that shows another action's observation is caught."""
+    tag = 1000 * step + 100 * env_rank + 10 * epoch + chunk
+    r = np.arange(rows, dtype=np.float32)[:, None, None]
+    k = np.arange(K)
+    return {
+        "image": np.broadcast_to(
+            ((tag + k) % 251).astype(np.uint8)[None, :, None, None, None], (rows, K, 2, 2, 3)
+        ).copy(),
+        "state": (tag + r + (k / 100)[None, :, None] + np.zeros((rows, K, 5))).astype(np.float32),
+    }
+
+
+def env_part(chunk, epoch=0, env_rank=0, step=0, stage=0, rows=B, done_at=None, per_action=False):
+    """A full env half whose values encode its key (``per_action``: with
+    :func:`action_obs`).
 
     ``rewards [rows, K]`` are action-level (``tag + row + action``); no truncations.
     ``terminations`` are ``done_at`` when given (``[rows]`` bool), else row ``r``
@@ -71,15 +87,16 @@ def env_part(chunk, epoch=0, env_rank=0, step=0, stage=0, rows=B, done_at=None):
         ),
         initial_transition=initial,
         final_values=np.full((rows,), -tag, np.float32) if chunk == T - 1 or chunk == 1 else None,
+        action_obs=action_obs(chunk, epoch, env_rank, step, rows) if per_action else None,
     )
 
 
-def all_parts(env_rank=0, step=0, stage=0):
+def all_parts(env_rank=0, step=0, stage=0, per_action=False):
     out = []
     for e in range(E):
         for t in range(T):
             out.append(policy_part(t, e, env_rank, step, stage))
-            out.append(env_part(t, e, env_rank, step, stage))
+            out.append(env_part(t, e, env_rank, step, stage, per_action=per_action))
     return out
 
 

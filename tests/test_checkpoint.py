@@ -77,15 +77,16 @@ def test_pipeline_and_lerobot_state_round_trip(tmp_path):
             np.testing.assert_array_equal(x, y)
 
     lr = dataclasses.replace(PLAN, mode="lerobot", num_env_ranks=1, max_episode_length=16)
-    whole = jaxtraj.TrajectoryCollector(lr, policy_part(0), env_part(0))
-    expect = [whole.add(p) for s in (0, 1) for p in all_parts(step=s)]
-    c = jaxtraj.TrajectoryCollector(lr, policy_part(0), env_part(0))
-    got = [c.add(p) for p in all_parts(step=0)]
+    example = env_part(0, per_action=True)
+    whole = jaxtraj.TrajectoryCollector(lr, policy_part(0), example)
+    expect = [whole.add(p) for s in (0, 1) for p in all_parts(step=s, per_action=True)]
+    c = jaxtraj.TrajectoryCollector(lr, policy_part(0), example)
+    got = [c.add(p) for p in all_parts(step=0, per_action=True)]
     assert np.asarray(c.mode_states[0].length).sum() > 0  # episodes running across the step boundary
     checkpoint.save(c, tmp_path / "lerobot")
-    r = checkpoint.restore(tmp_path / "lerobot", lr, policy_part(0), env_part(0))
+    r = checkpoint.restore(tmp_path / "lerobot", lr, policy_part(0), example)
     np.testing.assert_array_equal(np.asarray(r.mode_states[0].length), np.asarray(c.mode_states[0].length))
-    got += [r.add(p) for p in all_parts(step=1)]
+    got += [r.add(p) for p in all_parts(step=1, per_action=True)]
     flat = lambda items: [
         x for item in items for _, eps in item for b, ep in eps for x in [b, *leaves(ep)]
     ]

@@ -50,7 +50,7 @@ def test_ready_and_flush_name_sources_in_rollout_mode():
 def test_current_version_in_every_mode(mode):
     """Defect 3: rollout mode had no current_version."""
     plan = dataclasses.replace(PLAN, mode=mode)
-    c = jaxtraj.TrajectoryCollector(plan, policy_part(0), env_part(0))
+    c = jaxtraj.TrajectoryCollector(plan, policy_part(0), env_part(0, per_action=True))
     assert c.current_version == 0
     c.current_version = 3
     assert c.state_dict()["current_version"] == 3

@@ -6,7 +6,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from helpers import PLAN, B, E, K, T, all_parts, env_part, policy_part
+from helpers import PLAN, B, E, K, T, action_obs, all_parts, env_part, policy_part
 
 import jaxtraj
 from jaxtraj import CollectorError, ErrorCode
@@ -26,7 +26,8 @@ class ListWriter:
 
 
 def expected_episodes(steps, per_action=True):
-    """NumPy reference: per env, the frames of every completed episode, in order."""
+    """NumPy reference: per env, the frames of every completed episode, in order: ``(action,
+    reward, done, state, image)``, the observation each action was taken from."""
     out = {b: [] for b in range(B)}
     for b in range(B):
         current = []
@@ -34,8 +35,14 @@ def expected_episodes(steps, per_action=True):
             for e in range(E):
                 for t in range(T):
                     p, v = policy_part(t, e, step=step), env_part(t, e, step=step)
+                    per_obs = action_obs(t, e, step=step)
                     done = bool(v.transition.terminations[b])
                     for j in range(K if per_action else 1):
+                        obs = (
+                            (per_obs["state"][b, j], per_obs["image"][b, j])
+                            if per_action
+                            else (p.obs["state"][b], p.obs["image"][b])
+                        )
                         action = (
                             p.output.actions[b, j]
                             if per_action
@@ -47,7 +54,7 @@ def expected_episodes(steps, per_action=True):
                             else v.transition.rewards[b].sum()
                         )
                         end = done and (j == K - 1 or not per_action)
-                        current.append((action, reward, end))
+                        current.append((action, reward, end, *obs))
                         if end:
                             out[b].append(current)
                             current = []
@@ -55,10 +62,11 @@ def expected_episodes(steps, per_action=True):
 
 
 def run(plan, steps, writer=None):
-    c = jaxtraj.TrajectoryCollector(plan, policy_part(0), env_part(0), writer=writer, tasks="pick")
+    example = env_part(0, per_action=True)
+    c = jaxtraj.TrajectoryCollector(plan, policy_part(0), example, writer=writer, tasks="pick")
     items = []
     for step in range(steps):
-        for p in all_parts(step=step):
+        for p in all_parts(step=step, per_action=True):
             items += c.add(p)
     return c, items
 
@@ -77,10 +85,14 @@ def test_episodes_match_reference_across_steps(frame):
     for b in range(B):
         assert len(got[b]) == len(want[b]), b
         for g, w in zip(got[b], want[b]):
-            np.testing.assert_allclose(g["action"], np.stack([a for a, _, _ in w]))
-            np.testing.assert_allclose(g["next.reward"][:, 0], [r for _, r, _ in w], rtol=1e-6)
-            assert g["next.done"][:, 0].tolist() == [d for _, _, d in w]
-            assert g["observation.state"].shape == (len(w), 5)
+            np.testing.assert_allclose(g["action"], np.stack([f[0] for f in w]))
+            np.testing.assert_allclose(g["next.reward"][:, 0], [f[1] for f in w], rtol=1e-6)
+            assert g["next.done"][:, 0].tolist() == [f[2] for f in w]
+            # Each frame shows the observation its action was taken from.
+            np.testing.assert_array_equal(g["observation.state"], np.stack([f[3] for f in w]))
+            np.testing.assert_array_equal(
+                g["observation.images.image"], np.stack([f[4] for f in w])
+            )
     # Every episode handed to the writer, with its task.
     assert len(writer.episodes) == sum(len(v) for v in want.values())
     assert set(writer.tasks) == {"pick"}
@@ -107,8 +119,8 @@ def test_an_episode_crosses_the_step_boundary():
 
 def test_overflow_is_an_error_or_a_truncation():
     short = dataclasses.replace(LR, max_episode_length=3)
-    c = jaxtraj.TrajectoryCollector(short, policy_part(0), env_part(0))
-    parts = all_parts()
+    c = jaxtraj.TrajectoryCollector(short, policy_part(0), env_part(0, per_action=True))
+    parts = all_parts(per_action=True)
     for p in parts[:-1]:
         assert c.add(p) == []
     before = np.asarray(c.mode_states[0].length).copy()
@@ -163,7 +175,12 @@ def _chunk_level(t):
     p = p.replace(output=p.output.replace(actions=actions, prev_logprobs=-actions))
     v = env_part(t, done_at=np.full((B,), t == 1))
     rewards = (10 * t + np.arange(B)).astype(np.float32)
-    return p, v.replace(transition=v.transition.replace(rewards=rewards))
+    k = np.arange(K3, dtype=np.float32)[None, :, None] / 100
+    per_obs = {  # the observation each of the K3 actions was taken from
+        "image": np.repeat(p.obs["image"][:, None], K3, axis=1),
+        "state": p.obs["state"][:, None] + k,
+    }
+    return p, v.replace(transition=v.transition.replace(rewards=rewards), action_obs=per_obs)
 
 
 def test_per_action_frames_take_k_from_the_action_chunk():
@@ -211,17 +228,17 @@ def test_camera_frames_travel_with_their_episodes():
     want = expected_episodes(2)
     got = {b: [f for _, eps in items for bb, f in eps if bb == b] for b in range(B)}
     for b in range(B):
+        assert len(got[b]) == len(want[b])
         for frames, ref in zip(got[b], want[b]):
             images = frames["observation.images.image"]
             assert images.shape == (len(ref), 2, 2, 3) and images.dtype == np.uint8
-            # helpers' image is the chunk's tag (mod 251); state column 0 is tag + b.
-            tags = (frames["observation.state"][:, 0] - b).astype(np.int64) % 251
-            np.testing.assert_array_equal(images[:, 0, 0, 0], tags)
+            # helpers' image is (chunk tag + action) mod 251, per action.
+            np.testing.assert_array_equal(images, np.stack([f[4] for f in ref]))
     assert all("observation.images.image" in e for e in writer.episodes)
 
 
 def test_camera_features_and_non_rgb_images():
-    p, v = policy_part(0), env_part(0)
+    p, v = policy_part(0), env_part(0, per_action=True)
     features = jaxtraj.lerobot.features(LR, p, v)
     assert features["observation.images.image"] == {
         "dtype": "video",
@@ -230,7 +247,10 @@ def test_camera_features_and_non_rgb_images():
     }
     assert features["observation.state"]["shape"] == [5]
     kinds = {"observation.images.image": "image"}
-    assert jaxtraj.lerobot.features(LR, p, v, cameras=kinds)["observation.images.image"]["dtype"] == "image"
+    assert (
+        jaxtraj.lerobot.features(LR, p, v, cameras=kinds)["observation.images.image"]["dtype"]
+        == "image"
+    )
     with pytest.raises(ValueError, match="kind must be"):
         jaxtraj.lerobot.features(LR, p, v, cameras="mp4")
     depth = p.replace(obs={**p.obs, "image": np.zeros((B, 2, 2, 1), np.uint8)})
@@ -263,3 +283,107 @@ def test_dataset_rewards_are_the_environments_never_the_truncation_bootstrap():
         np.testing.assert_array_equal(first["next.reward"][:, 0], [0.0, 0.0, b])
         assert first["next.truncated"][:, 0].tolist() == [False, False, True]
         np.testing.assert_array_equal(second["next.reward"][:, 0], [0.0, 0.0, 10.0 + b])
+
+
+def test_expert_halves_are_recorded_in_lerobot_mode_and_refused_elsewhere():
+    """A policy half that was not inferred (a teleoperator's, a scripted expert's: actions
+    only) is welcome in lerobot mode, zero-filled; rollout and pipeline modes train on
+    log-probabilities and values, so they refuse it, naming the mode and the fields."""
+    import jax
+
+    def expert(p):
+        return p.replace(output=jaxtraj.PolicyOutput(actions=p.output.actions))
+
+    writer = ListWriter()
+    example = env_part(0, per_action=True)
+    c = jaxtraj.TrajectoryCollector(LR, policy_part(0), example, writer=writer, tasks="pick")
+    items = []
+    for step in range(2):
+        for p in all_parts(step=step, per_action=True):
+            items += c.add(expert(p) if isinstance(p, jaxtraj.PolicyPart) else p)
+    want = expected_episodes(2)
+    got = {b: [f for _, eps in items for bb, f in eps if bb == b] for b in range(B)}
+    for b in range(B):
+        assert len(got[b]) == len(want[b]) > 0
+        for g, w in zip(got[b], want[b]):
+            np.testing.assert_allclose(g["action"], np.stack([f[0] for f in w]))
+    for mode in ("rollout", "pipeline"):
+        plan = dataclasses.replace(PLAN, mode=mode)
+        c = jaxtraj.TrajectoryCollector(plan, policy_part(0), env_part(0))
+        with pytest.raises(CollectorError, match=f"lerobot mode only; {mode} mode") as info:
+            c.add(expert(policy_part(1)))
+        assert info.value.code == ErrorCode.STRUCTURE_MISMATCH
+        assert "prev_logprobs" in str(info.value) and "prev_values" in str(info.value)
+        assert c.missing()  # nothing changed; the step still waits for every half
+    # The pure functions, under jit: the same rule at trace time.
+    state = jaxtraj.init(LR, policy_part(0), example)
+    state = jax.jit(lambda st, p: jaxtraj.add_policy(LR, st, p))(state, expert(policy_part(1)))
+    jaxtraj.raise_if_error(state)
+    assert np.asarray(state.policy_rows)[0, 1].all()
+    np.testing.assert_array_equal(np.asarray(state.policy.output.prev_logprobs)[0, 1], 0.0)
+    rollout = dataclasses.replace(PLAN, mode="rollout")
+    with pytest.raises(CollectorError, match="rollout mode"):
+        jaxtraj.add_policy(rollout, jaxtraj.init(rollout, policy_part(0), env_part(0)),
+                           expert(policy_part(1)))
+
+
+def test_end_writes_every_running_episode_and_close_without_it_says_what_is_left(
+    tmp_path, caplog
+):
+    import logging
+
+    from jaxtraj.lerobot import LeRobotWriter
+
+    example = env_part(0, per_action=True)
+    features = jaxtraj.lerobot.features(LR, policy_part(0), example, cameras="image")
+    steps = 2
+
+    def collect(root):
+        writer = LeRobotWriter(root, fps=10, features=features)
+        c = jaxtraj.TrajectoryCollector(LR, policy_part(0), example, writer=writer, tasks="pick")
+        for step in range(steps):
+            for p in all_parts(step=step, per_action=True):
+                c.add(p)
+        return c, writer
+
+    c, writer = collect(tmp_path / "ended")
+    assert writer.running_frames == int(np.asarray(c.mode_states[0].length).sum()) > 0
+    ended = c.end()
+    assert writer.running_frames == 0 and c.end() == []  # nothing runs after it
+    ((_, episodes),) = ended
+    assert {b for b, _ in episodes} == {b for b in range(B) if b % T != T - 1}
+    for _, frames in episodes:  # the recording ended them: done and truncated, last only
+        assert frames["next.done"][:, 0].tolist() == [False] * (len(frames["action"]) - 1) + [True]
+        assert frames["next.truncated"][-1, 0]
+    with caplog.at_level(logging.WARNING, logger="jaxtraj.lerobot.writer"):
+        writer.close()
+    assert not caplog.records
+    # Every frame collected is written: one per action of every env.
+    assert writer.num_frames == steps * E * T * K * B
+
+    c, writer = collect(tmp_path / "not_ended")
+    left = writer.running_frames
+    with caplog.at_level(logging.WARNING, logger="jaxtraj.lerobot.writer"):
+        writer.close()
+    (record,) = caplog.records
+    assert f"{left} frames of running episodes not written" in record.getMessage()
+    assert "TrajectoryCollector.end()" in record.getMessage()
+    assert writer.num_frames == steps * E * T * K * B - left
+
+
+def test_end_refuses_while_a_step_is_half_collected():
+    writer = ListWriter()
+    c = jaxtraj.TrajectoryCollector(
+        LR, policy_part(0), env_part(0, per_action=True), writer=writer, tasks="pick"
+    )
+    for p in all_parts(step=0, per_action=True) + all_parts(step=1, per_action=True)[:3]:
+        c.add(p)
+    written = len(writer.episodes)
+    with pytest.raises(CollectorError, match="half collected") as info:
+        c.end()
+    assert info.value.code == ErrorCode.INCOMPLETE_SCOPE
+    assert len(writer.episodes) == written  # nothing written, nothing lost
+    for p in all_parts(step=1, per_action=True)[3:]:
+        c.add(p)
+    assert c.end()  # the step complete: the running episodes are written
+    assert len(writer.episodes) > written

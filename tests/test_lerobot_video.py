@@ -678,22 +678,34 @@ def collector_run(root: Path, steps: int = 3):
     """
     import dataclasses
 
-    from helpers import PLAN, B, T, all_parts
+    from helpers import PLAN, B, K, T, all_parts
 
     import jaxtraj
 
     plan = dataclasses.replace(PLAN, mode="lerobot", num_env_ranks=1, max_episode_length=16)
 
-    def with_cameras(part, step):
-        if not hasattr(part, "obs"):
-            return part
+    def cameras(part, step, k=0):
         tag = int(part.source.key.epoch_id) * T + int(part.source.key.chunk_id) + 100 * step
-        obs = {"state": part.obs["state"]}
+        views = {}
         for key, shape in (("top", (32, 32)), ("wrist", (32, 48)), ("side", (16, 16))):
-            obs[key] = np.stack([camera(tag + 7 * b + len(key), 1, *shape)[0] for b in range(B)])
-        return part.replace(obs=obs)
+            views[key] = np.stack(
+                [camera(tag + 7 * b + len(key) + 3 * k, 1, *shape)[0] for b in range(B)]
+            )
+        return views
 
-    parts = [[with_cameras(p, step) for p in all_parts(step=step)] for step in range(steps)]
+    def with_cameras(part, step):
+        if hasattr(part, "obs"):
+            return part.replace(obs={"state": part.obs["state"], **cameras(part, step)})
+        # Env halves: the observation of each action, cameras included (action 0's is
+        # the policy half's).
+        seen = [cameras(part, step, k) for k in range(K)]
+        per_action = {key: np.stack([v[key] for v in seen], axis=1) for key in seen[0]}
+        return part.replace(action_obs={"state": part.action_obs["state"], **per_action})
+
+    parts = [
+        [with_cameras(p, step) for p in all_parts(step=step, per_action=True)]
+        for step in range(steps)
+    ]
     features = jaxtraj.lerobot.features(plan, parts[0][0], parts[0][1], cameras=CAMERA_KINDS)
     writer = LeRobotWriter(root, fps=FPS, features=features)
     c = jaxtraj.TrajectoryCollector(plan, parts[0][0], parts[0][1], writer=writer, tasks="pick")

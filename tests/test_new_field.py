@@ -1,6 +1,6 @@
 """Adding a field for a new algorithm touches the types only (docs/adding-a-field.md).
 
-The worked example: a success score from a reward model, produced by Env in
+The worked example: a goal score from a reward model, produced by Env in
 ``EnvTransition``, resolved in ``TrajectoryStep.from_parts``, laid out by
 ``Trajectory.from_steps``, and packed into pipeline micro-batches.
 """
@@ -21,27 +21,27 @@ import jaxtraj
 # 1. Add the field to the type that owns it: Env produces it.
 @struct.dataclass
 class ScoredTransition(jaxtraj.EnvTransition):
-    success: Any = None  # [B] float32, the reward model's success score
+    goal_score: Any = None  # [B] float32, the reward model's goal score
 
 
 # 3. Resolve it in TrajectoryStep.from_parts.
 @struct.dataclass
 class ScoredStep(jaxtraj.TrajectoryStep):
-    success: Any = None
+    goal_score: Any = None
 
     @classmethod
     def from_parts(cls, policy, env, plan=None):
-        return super().from_parts(policy, env, plan).replace(success=env.transition.success)
+        return super().from_parts(policy, env, plan).replace(goal_score=env.transition.goal_score)
 
 
 # 4. Materialise it in Trajectory.from_steps: one entry per chunk, [E, T, B].
 @struct.dataclass
 class ScoredTrajectory(jaxtraj.Trajectory):
-    success: Any = None
+    goal_score: Any = None
 
     @classmethod
     def from_steps(cls, steps, initial, **kwargs):
-        return super().from_steps(steps, initial, **kwargs).replace(success=steps.success)
+        return super().from_steps(steps, initial, **kwargs).replace(goal_score=steps.goal_score)
 
 
 def score(chunk, epoch, env_rank, step=0):
@@ -57,9 +57,9 @@ def scored(part):
         return part
     k = part.source.key
     tr = part.transition
-    success = score(k.chunk_id, k.epoch_id, k.env_rank, k.step_id)
+    goal_score = score(k.chunk_id, k.epoch_id, k.env_rank, k.step_id)
     new = ScoredTransition(
-        **{f.name: getattr(tr, f.name) for f in dataclasses.fields(tr)}, success=success
+        **{f.name: getattr(tr, f.name) for f in dataclasses.fields(tr)}, goal_score=goal_score
     )
     return part.replace(transition=new)
 
@@ -77,7 +77,7 @@ def test_a_new_field_reaches_the_trajectory_and_the_micro_batches():
         r = int(traj.env_rank)
         for e in range(E):
             for t in range(T):
-                np.testing.assert_array_equal(traj.success[e, t], score(t, e, r))
+                np.testing.assert_array_equal(traj.goal_score[e, t], score(t, e, r))
 
     # 5. Pipeline mode packs it with the other per-chunk fields.
     pipe = dataclasses.replace(plan, mode="pipeline", actor_ranks=2)
@@ -91,5 +91,5 @@ def test_a_new_field_reaches_the_trajectory_and_the_micro_batches():
         row = np.asarray(mb.obs["state"])[..., 0] - tag
         mask = np.asarray(mb.loss_mask)
         np.testing.assert_allclose(
-            np.asarray(mb.extras["success"])[mask], (tag + row / 10)[mask], rtol=1e-6
+            np.asarray(mb.extras["goal_score"])[mask], (tag + row / 10)[mask], rtol=1e-6
         )

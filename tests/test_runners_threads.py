@@ -48,7 +48,7 @@ class PointEnv:
             time.sleep(self.rand.uniform(0, self.delay_s))
         if self.fail_at is not None and key.as_tuple() == self.fail_at:
             raise RuntimeError("simulator crashed")
-        self.state, r, term, trunc, final_obs = ex.env_step_chunk(
+        self.state, r, term, trunc, final_obs, _ = ex.env_step_chunk(
             self.state, jnp.asarray(actions), key_rng(SEED + 1, key)
         )
         obs = {"state": np.asarray(ex.observe(self.state))}

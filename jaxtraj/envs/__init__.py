@@ -3,7 +3,10 @@
 
 - :class:`GymnasiumEnv`: a gymnasium (>= 1.1) ``VectorEnv`` (``SyncVectorEnv``,
   ``AsyncVectorEnv``), any autoreset mode (the ``gymnasium`` extra);
-- :class:`EnvPoolEnv`: an EnvPool pool, host API (the ``envpool`` extra).
+- :class:`EnvPoolEnv`: an EnvPool pool, host API (the ``envpool`` extra);
+- :class:`EnvPoolXla`: an EnvPool pool stepped through its XLA interface inside the
+  synchronous runner's jitted ``lax.scan`` (:mod:`jaxtraj.runners.sync`; needs
+  ``jax_enable_x64``).
 
 Both execute an action chunk ``[B, K, A]`` as ``K`` steps with the synchronous
 runner's semantics (an episode that ends mid-chunk is reset at once and the chunk's
@@ -25,6 +28,7 @@ library when constructed, and says which extra to install when it is missing.
 """
 
 from jaxtraj.envs.envpool import EnvPoolEnv
+from jaxtraj.envs.envpool_xla import EnvPoolXla
 from jaxtraj.envs.gymnasium import EnvSpec, GymnasiumEnv, check_spec, example_parts
 
-__all__ = ["EnvPoolEnv", "EnvSpec", "GymnasiumEnv", "check_spec", "example_parts"]
+__all__ = ["EnvPoolEnv", "EnvPoolXla", "EnvSpec", "GymnasiumEnv", "check_spec", "example_parts"]

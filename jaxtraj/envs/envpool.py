@@ -42,7 +42,7 @@ class EnvPoolEnv(ChunkEnv):
         ``i`` is seeded ``s + i`` by EnvPool; :meth:`reset` takes no seed), in
         synchronous mode (``batch_size`` unset or ``num_envs``).
       actions_per_chunk: ``K``.
-      obs_dtype, reward_dtype, obs_key, per_action_obs, info_keys, policy_example: as
+      obs_dtype, reward_dtype, obs_key, per_action_obs, info_keys, success, policy_example: as
         for :class:`~jaxtraj.envs.GymnasiumEnv`.
 
     Raises:
@@ -61,6 +61,7 @@ class EnvPoolEnv(ChunkEnv):
         obs_key: str | None = "state",
         per_action_obs: bool = False,
         info_keys: Sequence[str] = (),
+        success: str | None = None,
         policy_example: Any = None,
     ):
         require("envpool", "envpool", "jaxtraj.envs.EnvPoolEnv")
@@ -82,6 +83,7 @@ class EnvPoolEnv(ChunkEnv):
             per_action_obs=per_action_obs,
             info_keys=info_keys,
             reward_dtype=reward_dtype,
+            success=success,
         )
         self.pool = pool
         self.num_envs = num_envs
@@ -116,7 +118,7 @@ class EnvPoolEnv(ChunkEnv):
         last = self._convert(raw)
         kept = {}
         everywhere = np.ones(done.shape, bool)
-        for name in self.info_keys:
+        for name in self._kept_keys:
             if name in info:
                 kept[name] = (np.asarray(info[name]), everywhere)
         obs = last

@@ -130,8 +130,9 @@ def example_parts(
 
     Returns:
       ``(PolicyPart, EnvPart)``: the policy half's observation is the env's (cast);
-      the env half is chunk 0's, with ``initial_transition`` and, when the policy
-      output has ``prev_values``, ``final_values`` zeros ``[B]`` float32.
+      the env half is chunk 0's, with ``initial_transition``, ``action_obs`` when the
+      env reports per-action observations, and, when the policy output has
+      ``prev_values``, ``final_values`` zeros ``[B]`` float32.
 
     Raises:
       ValueError: the policy's actions or the plan's batch size do not fit the env.
@@ -147,7 +148,11 @@ def example_parts(
     _check_actions(spec, out.actions)
     tr = _zeros(spec.transition)
     final = np.zeros((B,), np.float32) if out.prev_values is not None else None
-    return policy, EnvPart(src, tr, initial_transition=tr.boundary(), final_values=final)
+    # Per-action observations when the env reports them (lerobot mode keeps them).
+    action_obs = None if spec.action_obs is None else _zeros(spec.action_obs)
+    return policy, EnvPart(
+        src, tr, initial_transition=tr.boundary(), final_values=final, action_obs=action_obs
+    )
 
 
 def _path_name(path: tuple) -> str:
@@ -264,14 +269,22 @@ class ChunkEnv:
     _reward_dtype: np.dtype
     _convert: Callable[[Any], PyTree]  # the env's observation -> our cast tree
 
-    def _setup(self, *, actions_per_chunk, per_action_obs, info_keys, reward_dtype):
+    def _setup(self, *, actions_per_chunk, per_action_obs, info_keys, reward_dtype, success=None):
         if int(actions_per_chunk) < 1:
             raise ValueError(f"actions_per_chunk must be >= 1, got {actions_per_chunk}")
         if isinstance(info_keys, str):
             info_keys = (info_keys,)
+        if success is not None and (not isinstance(success, str) or not success):
+            raise ValueError(
+                f"success must be None, 'terminations' or the name of an info entry, got {success!r}"
+            )
         self.actions_per_chunk = int(actions_per_chunk)
         self.per_action_obs = bool(per_action_obs)
         self.info_keys = tuple(info_keys)
+        self.success = success
+        # Info entries read per step: the user's, and the success flag's if it is one.
+        extra = () if success in (None, "terminations") or success in self.info_keys else (success,)
+        self._kept_keys = self.info_keys + extra
         self._reward_dtype = np.dtype(reward_dtype)
         self._info_dtypes: dict[str, np.dtype] = {}
         self._obs = None
@@ -286,6 +299,7 @@ class ChunkEnv:
             rewards=jax.ShapeDtypeStruct((B, K), self._reward_dtype),
             terminations=flags,
             truncations=flags,
+            success=None if self.success is None else flags,
         )
         action_obs = None
         if self.per_action_obs:
@@ -335,7 +349,7 @@ class ChunkEnv:
         actions = np.asarray(actions, dtype=self._action_dtype)
         rewards = np.zeros((B, K), self._reward_dtype)
         terms, truncs = np.zeros((B, K), bool), np.zeros((B, K), bool)
-        info = {name: [None] * K for name in self.info_keys}
+        info = {name: [None] * K for name in self._kept_keys}
         obs = self._obs
         action_obs = [] if self.per_action_obs else None
         final, ended = None, np.zeros((B,), bool)
@@ -350,18 +364,26 @@ class ChunkEnv:
             if done.any():  # the last episode end of the chunk wins
                 final = last if final is None else _rows_where(done, last, final)
                 ended |= done
-            for name in self.info_keys:
+            for name in self._kept_keys:
                 info[name][k] = inf.get(name)
         self._obs = obs
         final_obs = obs if final is None else _rows_where(ended, final, obs)
         if action_obs is not None:
             action_obs = jax.tree.map(lambda *xs: np.stack(xs, axis=1), *action_obs)
+        stacked = self._stack_info(info) if self._kept_keys else {}
+        success = None
+        if self.success == "terminations":
+            success = terms.copy()
+        elif self.success is not None:
+            success = stacked[self.success] != 0
         return EnvStep(
-            transition=EnvTransition(rewards=rewards, terminations=terms, truncations=truncs),
+            transition=EnvTransition(
+                rewards=rewards, terminations=terms, truncations=truncs, success=success
+            ),
             obs=obs,
             final_obs=final_obs,
             action_obs=action_obs,
-            info=self._stack_info(info) if self.info_keys else None,
+            info={n: stacked[n] for n in self.info_keys} if self.info_keys else None,
         )
 
     def close(self) -> None:
@@ -500,6 +522,9 @@ class GymnasiumEnv(ChunkEnv):
       info_keys: ``info`` entries kept per action as ``EnvStep.info[name]`` ``[B, K]``
         (zero where an env did not report it; the step's own info, also on the action
         that ended an episode).
+      success: ``EnvTransition.success`` per action (what a LeRobot dataset records as
+        ``next.success``): ``"terminations"`` (a task that ends when it succeeds), the
+        name of an ``info`` entry (``"is_success"``: true where nonzero), or ``None``.
       seed: the first :meth:`reset` seeds sub-env ``i`` with ``seed + i``; later resets
         take no seed.
       policy_example: a collector, policy example or ``(policy, env)`` example pair to
@@ -521,6 +546,7 @@ class GymnasiumEnv(ChunkEnv):
         obs_key: str | None = "state",
         per_action_obs: bool = False,
         info_keys: Sequence[str] = (),
+        success: str | None = None,
         seed: int | None = None,
         policy_example: Any = None,
     ):
@@ -536,6 +562,7 @@ class GymnasiumEnv(ChunkEnv):
             per_action_obs=per_action_obs,
             info_keys=info_keys,
             reward_dtype=reward_dtype,
+            success=success,
         )
         self.env = vector_env
         self.num_envs = int(vector_env.num_envs)
@@ -601,12 +628,12 @@ class GymnasiumEnv(ChunkEnv):
                 for i in np.flatnonzero(np.asarray(info["_final_obs"], bool) & done):
                     _set_row(last, i, self._convert(info["final_obs"][i]))
             final_info = info.get("final_info", {}) if done.any() else {}
-            for name in self.info_keys:
+            for name in self._kept_keys:
                 got = merge_info([info_rows(info, name, ~done), info_rows(final_info, name, done)])
                 if got is not None:
                     kept[name] = got
         else:
-            for name in self.info_keys:
+            for name in self._kept_keys:
                 got = info_rows(info, name, np.ones(done.shape, bool))
                 if got is not None:
                     kept[name] = got

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import os
 import threading
 from collections.abc import Mapping, Sequence
@@ -94,6 +95,8 @@ from jaxtraj.lerobot.format import (
     video_path,
 )
 from jaxtraj.lerobot.validate import check_episodes
+
+_log = logging.getLogger(__name__)
 
 # Dictionary encoding pays only on low-cardinality columns; on float observations it builds a
 # hash table that overflows and is thrown away, which more than doubles the write time.
@@ -167,6 +170,10 @@ class LeRobotWriter:
             killed and the attempt fails.
         encode_retries: Attempts after a failed one (timed out, encoder process died, encoder
             error), each from the frames again in a fresh process; default 2.
+        only_successful: Write only the episodes whose ``next.success`` is set at some
+            frame (the others are dropped and counted in :attr:`num_dropped`); needs the
+            ``next.success`` feature. The episodes table records ``success`` per episode
+            whenever the feature exists.
 
     Example::
 
@@ -199,6 +206,7 @@ class LeRobotWriter:
         max_pending_mb: float = 512,
         encode_timeout_s: float | None = None,
         encode_retries: int = 2,
+        only_successful: bool = False,
     ):
         if not isinstance(fps, int | np.integer) or isinstance(fps, bool) or fps <= 0:
             raise ValueError(f"fps must be a positive int, got {fps!r}")
@@ -240,6 +248,14 @@ class LeRobotWriter:
             codec=video_codec, crf=crf, g=gop, preset=preset, threads=encoder_threads
         )
         self._user_features = check_features(features)
+        if only_successful and "next.success" not in self._user_features:
+            raise ValueError(
+                "only_successful needs the 'next.success' feature (env halves carrying "
+                "EnvTransition.success); the features have none"
+            )
+        self._only_successful = bool(only_successful)
+        #: Episodes not written because they never succeeded (``only_successful``).
+        self.num_dropped = 0
         for name in video_keys(self._user_features):
             spec = self._user_features[name]
             spec["info"] = self._video.info(spec["shape"], int(fps))
@@ -304,6 +320,9 @@ class LeRobotWriter:
         self._pending_bytes = 0
         self._error: LeRobotWriteError | None = None
         self._closed = False
+        #: Frames of episodes still running in the collector that feeds this writer (its
+        #: lerobot mode keeps the count): not written until ``TrajectoryCollector.end()``.
+        self.running_frames = 0
 
     @classmethod
     def open(cls, root: str | os.PathLike[str], **options: Any) -> LeRobotWriter:
@@ -406,6 +425,12 @@ class LeRobotWriter:
             LeRobotWriteError: an earlier call failed in the background; the writer is stopped.
         """
         self._check_usable()
+        if self._only_successful:
+            keep = [np.asarray(ep["next.success"]).any() for ep in episodes]
+            if len(keep) == len(tasks):  # else check_episodes names the mismatch
+                self.num_dropped += keep.count(False)
+                episodes = [ep for ep, k in zip(episodes, keep) if k]
+                tasks = [t for t, k in zip(tasks, keep) if k]
         columns, cameras, lengths = check_episodes(self._user_features, episodes, tasks)
         first_episode, first_frame = self._next_episode, self._next_frame
         if not lengths:
@@ -463,9 +488,23 @@ class LeRobotWriter:
     def close(self) -> None:
         """Wait for every accepted episode, then stop the encoder threads; idempotent.
 
+        Episodes still running in the collector that feeds this writer (lerobot mode
+        counts their frames in :attr:`running_frames`) are not written by ``close``: call
+        ``TrajectoryCollector.end()`` first to write them as truncated. Closing with
+        frames left logs a warning naming how many; a checkpoint of the collector
+        (``jaxtraj.checkpoint.save``) keeps them for a resumed recording.
+
         Raises:
             LeRobotWriteError: as ``wait``; the threads are stopped all the same.
         """
+        if self.running_frames and not self._closed:
+            _log.warning(
+                "%s: closed with %d frames of running episodes not written; call "
+                "TrajectoryCollector.end() before close() to write them as truncated "
+                "episodes, or checkpoint the collector to resume them",
+                self._root,
+                self.running_frames,
+            )
         try:
             self.wait()
         finally:
@@ -602,6 +641,11 @@ class LeRobotWriter:
             try:
                 data_loc, episode_locs = self._stage_data(data, table, lengths_np, episode_nbytes)
                 video_locs, video_columns = self._stage_videos(staged_videos, call)
+                if "next.success" in call.columns:  # per episode: did it succeed at all
+                    flags = np.asarray(call.columns["next.success"]).reshape(num_frames, -1)
+                    starts = np.cumsum(lengths_np) - lengths_np
+                    per_episode = np.logical_or.reduceat(flags.any(axis=1), starts)
+                    video_columns = {**video_columns, "success": pa.array(per_episode)}
                 meta_loc, meta_table, meta_nbytes = self._stage_metadata(
                     metadata,
                     tasks,

@@ -39,7 +39,23 @@ def frames_of(plan: TrajectoryPlan, state: CollectorState, traj) -> tuple[dict, 
 
 
 def init(plan: TrajectoryPlan, state: CollectorState) -> ep_lib.EpisodeState:
-    """Empty running-episode buffers for one single-source state."""
+    """Empty running-episode buffers for one single-source state.
+
+    Raises:
+      ValueError: one frame per action (``lerobot_frame="action"``) of chunks of ``K > 1``
+        actions, but the env example carries no per-action observations
+        (``EnvPart.action_obs``): every frame of a chunk would show the chunk's first
+        observation, and a new episode's first frames the old episode's.
+    """
+    k = state.actions_per_chunk
+    if plan.lerobot_frame == "action" and k > 1 and state.env.action_obs is None:
+        raise ValueError(
+            f"lerobot mode records one frame per action (lerobot_frame='action') of chunks of "
+            f"K = {k} actions, so each frame needs the observation its action was taken "
+            "from: give the env example and every env half EnvPart.action_obs (leaves "
+            "[B, K, ...], like the policy half's obs; jaxtraj.envs adapters: "
+            "per_action_obs=True), or record one frame per chunk (lerobot_frame='chunk')"
+        )
     example = jax.eval_shape(lambda st: frames_of(plan, st, rollout.flush(plan, st)[0])[0], state)
     return ep_lib.init_episodes(example, plan.batch_size, plan.max_episode_length)
 
@@ -116,6 +132,9 @@ class LeRobot(PerSource):
         if len(tasks) != B or not all(isinstance(t, str) and t for t in tasks):
             raise ValueError(f"tasks must be one non-empty string or {B} of them, got {self.tasks!r}")
         object.__setattr__(self, "tasks", tuple(tasks))
+        # Host bookkeeping: frames of running episodes per state (what the writer has not
+        # received), and the running lengths of the flush being emitted.
+        object.__setattr__(self, "_books", {"running": {}, "pending": None})
 
     # -- pure ---------------------------------------------------------------------------
 
@@ -140,7 +159,30 @@ class LeRobot(PerSource):
 
     def compiled_flush(self, state, mode_state, scope, current_version, *, owned: bool):
         # Not donated: if an episode overflows, the old state and episodes are kept.
-        return _compiled(self.plan)(state, mode_state)
+        batch, state, episodes = _compiled(self.plan)(state, mode_state)
+        self._books["pending"] = (scope, episodes.length)  # counted once it is emitted
+        return batch, state, episodes
+
+    def end(self, mode_state: ep_lib.EpisodeState, state_index: int) -> tuple[list, Any]:
+        """End the recording of one source: every running episode is handed to the writer
+        with its last frame marked done and truncated (the recording ended it, not the
+        environment); no episode runs after it.
+
+        Returns ``([(queue_key, [(env_index, frames), ...])], episodes)``.
+        """
+        running = ep_lib.running_episodes(mode_state)
+        done = [(b, frames) for b, frames in enumerate(running) if frames is not None]
+        if self.writer is not None and done:
+            self.writer.add_episodes([f for _, f in done], [self.tasks[b] for b, _ in done])
+        self._count(state_index, 0)
+        return ([(self.plan.queue_key, done)] if done else []), ep_lib.cleared(mode_state)
+
+    def _count(self, state_index: int, frames: int) -> None:
+        """Tell the writer how many frames of running episodes it has not received."""
+        running = self._books["running"]
+        running[state_index] = frames
+        if self.writer is not None and hasattr(self.writer, "running_frames"):
+            self.writer.running_frames = sum(running.values())
 
     def emit(self, items: ep_lib.EpisodeBatch, scope: int, mirror) -> list[tuple[str, Any]]:
         """The episodes that ended, as ``(env_index, frames)``, handed to the writer.
@@ -161,6 +203,9 @@ class LeRobot(PerSource):
         ]
         if self.writer is not None and done:
             self.writer.add_episodes([f for _, f in done], [self.tasks[b] for b, _ in done])
+        pending = self._books["pending"]
+        if pending is not None and pending[0] == scope:
+            self._count(scope, int(np.asarray(pending[1]).sum()))
         return [(self.plan.queue_key, done)]
 
 

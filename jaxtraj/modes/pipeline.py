@@ -433,6 +433,10 @@ class Pipeline(Stacked):
             return shard_state(state, self.mesh, self.source_axis)
         return state
 
+    def end(self, mode_state: Any, state_index: int) -> tuple[list, Any]:
+        """Nothing runs between epochs: nothing to hand over."""
+        return [], mode_state
+
     def scopes(self, mirror) -> list[int]:
         done = mirror.complete().all(axis=0) & ~mirror.flushed
         return [int(e) for e in np.flatnonzero(done)]

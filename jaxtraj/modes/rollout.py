@@ -133,6 +133,10 @@ class Rollout(PerSource):
 
     # -- host ---------------------------------------------------------------------------
 
+    def end(self, mode_state: Any, state_index: int) -> tuple[list, Any]:
+        """Nothing runs between training steps: nothing to hand over."""
+        return [], mode_state
+
     def scopes(self, mirror) -> list[int]:
         return [int(s) for s in np.flatnonzero(mirror.complete().all(axis=1))]
 

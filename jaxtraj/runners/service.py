@@ -189,6 +189,9 @@ def env_part(
         next_obs=override,
         initial_transition=initial,
         final_values=out.final_values,
+        # Per-action observations, when the env reports them (lerobot mode keeps them
+        # for its frames; the other modes drop them on arrival).
+        action_obs=out.action_obs,
     )
 
 

@@ -357,13 +357,8 @@ def collect(
     run = lambda c, k, first: _chunk(env, env_params, policy_fn, value_fn, params, c, k, first)
 
     def insert(st, policy_part, env_part):
-        # The collector's inserts trace with 32-bit defaults even where the caller turned
-        # jax_enable_x64 on (an EnvPool driver needs it): joiner's Python-int indices
-        # would otherwise be int64 beside its int32 key indices. The parts' dtypes are
-        # the plan's either way (EnvPoolXla casts at the boundary).
-        with jax.enable_x64(False):
-            st = joiner.add_policy(plan, st, policy_part)
-            return joiner.add_env(plan, st, env_part)
+        st = joiner.add_policy(plan, st, policy_part)
+        return joiner.add_env(plan, st, env_part)
 
     def epoch(inner, e):
         st, c = inner
