@@ -10,6 +10,7 @@ ADVANTAGES = ("gae", "returns")
 FRAMES = ("action", "chunk")
 OVERFLOW = ("error", "truncate")
 BOOTSTRAP = ("truncated", "done", "none")
+NORMALIZE = {True: "global", "global": "global", "per_rank": "per_rank", False: "none", "none": "none"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,8 +60,12 @@ class TrajectoryPlan:
       gae_lambda: GAE's lambda.
       advantage: ``"gae"`` (needs values) or ``"returns"`` (critic-free: discounted
         reward sums cut at dones).
-      normalize_advantages: pipeline mode normalises advantages over all valid rows
-        of all sources and devices.
+      normalize_advantages: pipeline mode's advantage normalisation (masked: padding,
+        post-done and stale rows excluded): ``"global"`` (or ``True``, the default)
+        over all valid samples of the epoch, every source and device; ``"per_rank"``
+        over each Actor rank's own micro-batches (what the original system does: its
+        "normalization operate[s] on Actor-specific batches"); ``"none"`` (or
+        ``False``).
       auto_reset: environments reset themselves on done; without it, rows after an
         environment's first done in an epoch are padding (masked out of the loss and
         of the normalisation).
@@ -99,7 +104,7 @@ class TrajectoryPlan:
     truncation_bootstrap: str = "truncated"
     gae_lambda: float = 0.95
     advantage: str = "gae"
-    normalize_advantages: bool = True
+    normalize_advantages: bool | str = True
     auto_reset: bool = True
     max_staleness: int = -1
     actor_ranks: int = 1
@@ -154,10 +159,21 @@ class TrajectoryPlan:
             raise ValueError(
                 f"TrajectoryPlan.max_episode_length must be >= 1, got {self.max_episode_length!r}"
             )
+        norm = self.normalize_advantages
+        if not isinstance(norm, bool | str) or norm not in NORMALIZE:
+            raise ValueError(
+                "TrajectoryPlan.normalize_advantages must be 'global' (True), 'per_rank' or "
+                f"'none' (False), got {self.normalize_advantages!r}"
+            )
         if self.nonfinite not in NONFINITE:
             raise ValueError(
                 f"TrajectoryPlan.nonfinite must be one of {NONFINITE}, got {self.nonfinite!r}"
             )
+
+    @property
+    def advantage_normalization(self) -> str:
+        """``normalize_advantages`` by name: ``"global"``, ``"per_rank"`` or ``"none"``."""
+        return NORMALIZE[self.normalize_advantages]
 
     @property
     def num_sources(self) -> int:

@@ -21,3 +21,4 @@ def test_pmap_over_sources_and_sharded_pipeline_equal_single_device():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "pmap over sources == facade" in proc.stdout
     assert "sharded == single-device" in proc.stdout
+    assert "per-rank normalisation, sharded == NumPy" in proc.stdout

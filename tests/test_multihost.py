@@ -41,3 +41,4 @@ def test_two_processes_equal_one():
     for pid, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, out[-4000:]
         assert f"process {pid}:" in out and "== single-process flush" in out, out[-2000:]
+        assert f"process {pid}: per-rank normalisation == NumPy" in out, out[-2000:]

@@ -250,3 +250,33 @@ def test_shuffle_of_many_samples_is_a_permutation_with_valid_first():
     n = int(valid.sum())
     assert valid[order[:n]].all() and not valid[order[n:]].any()
     assert abs(np.corrcoef(order[:n], np.arange(n))[0, 1]) < 0.05  # not left in index order
+
+
+def numpy_per_rank(advantages, mask, eps=1e-8):
+    """NumPy reference: one Actor rank's valid advantages (all its micro-batches) to mean 0,
+    std 1; padding 0."""
+    out = np.zeros_like(advantages)
+    a = advantages[mask]
+    out[mask] = (a - a.mean()) / (np.sqrt(((a - a.mean()) ** 2).mean()) + eps)
+    return out
+
+
+def test_per_rank_normalisation_over_each_actor_ranks_batches():
+    _, raw = collect(dataclasses.replace(PIPE, normalize_advantages="none"))
+    _, per_rank = collect(dataclasses.replace(PIPE, normalize_advantages="per_rank"))
+    _, glob = collect(dataclasses.replace(PIPE, normalize_advantages="global"))
+    assert [k for k, _ in per_rank] == [k for k, _ in raw]
+    for (_, u), (_, p), (_, g) in zip(raw, per_rank, glob):
+        mask = np.asarray(u.loss_mask)
+        assert mask.any() and not mask.all()  # padding is excluded
+        want = numpy_per_rank(np.asarray(u.advantages), mask)
+        np.testing.assert_allclose(np.asarray(p.advantages), want, rtol=1e-5, atol=1e-5)
+        a = np.asarray(p.advantages)[mask]  # this rank's own valid samples: mean 0, std 1
+        np.testing.assert_allclose([a.mean(), a.std()], [0, 1], atol=1e-4)
+        assert not np.allclose(np.asarray(p.advantages), np.asarray(g.advantages), atol=1e-3)
+        # Same samples, same order: only the statistics differ from the global form.
+        jax.tree.map(np.testing.assert_array_equal, p.obs, g.obs)
+    with pytest.raises(ValueError, match="per_rank"):
+        dataclasses.replace(PIPE, normalize_advantages="rank")
+    with pytest.raises(ValueError, match="per_rank"):
+        dataclasses.replace(PIPE, normalize_advantages=1)

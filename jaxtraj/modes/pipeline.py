@@ -157,7 +157,8 @@ def flush(
     rows = ((s_i * E + e) * T + t_i) * B + b_i
     valid = flat(targets.valid)[rows]
     advantages = flat(targets.advantages)[rows]
-    if plan.normalize_advantages:
+    norm = plan.advantage_normalization
+    if norm == "global":  # over every valid sample of the epoch: all sources, all devices
         advantages = adv_lib.normalize_advantages(advantages, valid)
     samples = dict(
         obs=trajs.obs,
@@ -216,6 +217,8 @@ def flush(
     fields = jax.tree.unflatten(tree, packed)
     small = _pack_gather(N, place, [advantages, valid], total, jnp.arange(N), order)
     advantages, loss_mask = (x.reshape(R, MB, M) for x in small)
+    if norm == "per_rank":  # over each Actor rank's own batches (local to its shard)
+        advantages = jax.vmap(adv_lib.normalize_advantages)(advantages, loss_mask)
     per_rank = lambda v: jnp.full((R,), v, jnp.int32)
     batches = MicroBatches(
         **fields,

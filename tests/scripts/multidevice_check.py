@@ -126,3 +126,27 @@ jax.tree.map(np.testing.assert_array_equal, jax.device_get(fresh), jax.device_ge
 for leaf in jax.tree.leaves(again):
     assert leaf.sharding.spec[0] == "actor", leaf.sharding
 print("sharded == single-device")
+
+# -- 3. per-rank advantage normalisation, sharded, against NumPy ------------------------------
+# Each Actor rank's valid advantages are normalised over that rank's batches only: the
+# sharded flush (ranks over the actor axis) against a NumPy normalisation of the same
+# samples' raw advantages, flushed on one device.
+per_rank = dataclasses.replace(plan, normalize_advantages="per_rank")
+raw_plan = dataclasses.replace(plan, normalize_advantages="none")
+
+
+def run_plan(p, mesh):
+    c = jaxtraj.TrajectoryCollector(p, policy_part(0), env_part(0), rng=jax.random.PRNGKey(7), mesh=mesh)
+    return c.add_many([parts[i] for i in order])
+
+
+raw, got = run_plan(raw_plan, None), run_plan(per_rank, mesh)
+assert [k for k, _ in raw] == [k for k, _ in got] and len(got) == plan.num_epochs * plan.actor_ranks
+for (_, u), (_, g) in zip(raw, got):
+    mask = np.asarray(u.loss_mask)
+    a = np.asarray(u.advantages)[mask]
+    want = np.zeros_like(np.asarray(u.advantages))
+    want[mask] = (a - a.mean()) / (np.sqrt(((a - a.mean()) ** 2).mean()) + 1e-8)
+    np.testing.assert_allclose(np.asarray(g.advantages), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(g.loss_mask), mask)
+print("per-rank normalisation, sharded == NumPy")

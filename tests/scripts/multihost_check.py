@@ -70,4 +70,30 @@ for e in range(plan.num_epochs):
             checked += 1
 assert c.current_step(*mine[0]) == 1  # the step advanced after its last epoch
 print(f"process {pid}: {checked} shards == single-process flush", flush=True)
+
+# Per-rank advantage normalisation across the two processes: each Actor rank's batches
+# against a NumPy normalisation of the single-process raw advantages of the same samples.
+raw_plan = dataclasses.replace(plan, normalize_advantages="none")
+with jax.default_device(jax.local_devices()[0]):
+    ref = jaxtraj.TrajectoryCollector(raw_plan, policy_part(0), env_part(0), rng=key, auto_flush=False)
+    ref.add_many([p for r in range(4) for p in all_parts(r)])
+    raw = [dict(ref.flush(e)) for e in range(plan.num_epochs)]
+per_rank = dataclasses.replace(plan, normalize_advantages="per_rank")
+c = jaxtraj.TrajectoryCollector(
+    per_rank, policy_part(0), env_part(0), sources=mine, rng=key, mesh=mesh, auto_flush=False
+)
+for i in order:
+    c.add(local_parts[i])
+ranks = 0
+for e in range(plan.num_epochs):
+    for queue_key, batches in c.flush(e):
+        u = raw[e][queue_key]
+        mask = np.asarray(u.loss_mask)
+        a = np.asarray(u.advantages)[mask]
+        want = np.zeros_like(np.asarray(u.advantages))
+        want[mask] = (a - a.mean()) / (np.sqrt(((a - a.mean()) ** 2).mean()) + 1e-8)
+        np.testing.assert_allclose(np.asarray(batches.advantages), want, rtol=1e-5, atol=1e-5)
+        ranks += 1
+assert ranks == plan.num_epochs * plan.actor_ranks
+print(f"process {pid}: per-rank normalisation == NumPy on {ranks} rank batches", flush=True)
 jax.distributed.shutdown()
