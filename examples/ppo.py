@@ -409,8 +409,9 @@ def main():
         f"\n{task}: first return {seen[0]:.1f}, mean of the last 5 reported "
         f"{np.mean(seen[-5:]):.1f}, best {seen.max():.1f}; {steps_total:,} env steps in "
         f"{wall:.1f} s wall, {np.median(history['steps_per_s'][1:]):,.0f} env steps/s "
-        f"(median iteration), collector share "
-        f"{100 * np.mean(history['collector_share'][1:]):.1f}% of iteration time"
+        f"(median iteration), collector share {100 * np.median(history['collector_share'][1:]):.1f}% "
+        "of iteration time (median; estimated against a collector-free rollout timed once at "
+        "the start, so load on the machine during the run counts as collector time)"
     )
 
     import matplotlib
