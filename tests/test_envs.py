@@ -608,11 +608,21 @@ def test_rollout_collection_end_to_end(gym):
     np.testing.assert_allclose(values[T], value_fn(ref[-1]["final_obs"]), rtol=1e-6)
 
 
-@pytest.mark.parametrize("runner_name", ["AsyncRunner", "DecoupledRunner"])
-def test_runner_over_gymnasium_with_terminal_inference_equals_the_reference(gym, runner_name):
-    """The user's path: GymnasiumEnv (NEXT_STEP autoreset, episodes ending mid-chunk by
-    termination and by truncation) in a host runner whose value_fn runs terminal
-    inference on the policy side; called once per training step (two steps, the env
+@pytest.mark.parametrize(
+    "runner_name, source",
+    [
+        ("AsyncRunner", "NEXT_STEP"),
+        ("AsyncRunner", "SAME_STEP"),
+        ("AsyncRunner", "envpool"),
+        ("DecoupledRunner", "NEXT_STEP"),
+    ],
+)
+def test_runner_over_an_adapter_with_terminal_inference_equals_the_reference(
+    gym, runner_name, source
+):
+    """The user's path: an adapter (GymnasiumEnv in either autoreset mode, EnvPoolEnv;
+    episodes ending mid-chunk by termination and by truncation) in a host runner whose
+    value_fn runs terminal inference on the policy side; called once per training step (two steps, the env
     carried across them). The Trajectories equal the reference loop over single envs
     field by field: observations, rewards (with gamma * V(final obs) at truncations),
     the [T+1] flags and prev_values[T] = V(s_T). (DecoupledRunner's policy halves carry
@@ -627,19 +637,25 @@ def test_runner_over_gymnasium_with_terminal_inference_equals_the_reference(gym,
     value = lambda obs: (obs @ w).astype(np.float32)  # noqa: E731
     actions = hopper_actions(t_chunks=steps * T, batch=Bn)
     actions[:, 1] = 0.1  # env 1 stands and is truncated; env 0 falls (terminations)
-    makers = [lambda: gym.make("Hopper-v5", max_episode_steps=6)] * Bn
-    first, ref = reference(makers, [SEED, SEED + 1], actions)
+    if source == "envpool":  # EnvPool's Hopper-v4, host API, through EnvPoolEnv
+        envpool = pytest.importorskip("envpool")
+        first, ref = envpool_reference(envpool, [SEED, SEED + 1], actions, max_steps=6)
+        pool = envpool.make(
+            "Hopper-v4", env_type="gymnasium", num_envs=Bn, seed=SEED, max_episode_steps=6
+        )
+        env = EnvPoolEnv(pool, actions_per_chunk=K)
+    else:  # gymnasium's Hopper-v5 in either autoreset mode, through GymnasiumEnv
+        makers = [lambda: gym.make("Hopper-v5", max_episode_steps=6)] * Bn
+        first, ref = reference(makers, [SEED, SEED + 1], actions)
+        mode = getattr(AutoresetMode, source)
+        vec = hopper_vec(gym, mode, batch=Bn, max_steps=6)
+        env = GymnasiumEnv(vec, actions_per_chunk=K, seed=SEED)
     calls = iter(range(steps * T))
 
     def policy_fn(params, obs, rng):  # replays the reference's actions, in chunk order
         t = next(calls)
         return PolicyOutput(actions=actions[t], prev_values=value(obs["state"]))
 
-    env = GymnasiumEnv(
-        hopper_vec(gym, AutoresetMode.NEXT_STEP, batch=Bn, max_steps=6),
-        actions_per_chunk=K,
-        seed=SEED,
-    )
     plan = TrajectoryPlan(num_chunks=T, batch_size=Bn, gamma=gamma)
     out_example = PolicyOutput(
         actions=np.zeros((Bn, K, 3), np.float32), prev_values=np.zeros((Bn,), np.float32)
@@ -654,7 +670,9 @@ def test_runner_over_gymnasium_with_terminal_inference_equals_the_reference(gym,
     assert [int(tr.step_id) for tr in trajs] == list(range(steps))
     trunc = np.stack([c["truncations"] for c in ref])
     terms = np.stack([c["terminations"] for c in ref])
-    assert trunc[:-1].any() and terms.any()  # both kinds end episodes mid-epoch
+    # Truncations mid-epoch (bootstrapped); gymnasium's Hopper-v5 also falls (terminations)
+    # within the 6-step limit, EnvPool's Hopper-v4 not (its terminations: the EnvStep tests).
+    assert trunc[:-1].any() and (terms.any() or source == "envpool")
     obs_ref = np.stack([first] + [c["obs"] for c in ref[:-1]])  # [steps*T, B, 11]
     rewards = np.stack([c["rewards"] for c in ref])
     v_final = np.stack([value(c["final_obs"]) for c in ref])
