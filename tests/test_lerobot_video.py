@@ -194,9 +194,9 @@ def test_cameras_written_as_lerobot_features(tmp_path):
         "shape": [16, 16, 3],
         "names": ["height", "width", "channels"],
     }
-    # Several episodes share one file (the cap is 200 MB); a call starts a new file.
+    # Every episode shares one file (the cap is 200 MB), across calls.
     meta = read_episodes(root)
-    assert meta[f"videos/{TOP}/file_index"].tolist() == [0, 0, 0, 1, 1]
+    assert meta[f"videos/{TOP}/file_index"].tolist() == [0, 0, 0, 0, 0]
 
 
 def test_file_size_cap_and_chunks(tmp_path):

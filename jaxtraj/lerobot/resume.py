@@ -4,9 +4,11 @@ A folder is consistent when ``info.json``'s totals match the episodes metadata, 
 metadata refers to exists with a readable parquet footer and the rows it claims (a video file:
 a readable mp4 with at least the frames its episodes' ``to_timestamp`` reach), and the tasks
 file holds at least ``total_tasks`` tasks. A writer killed while publishing a call may have left
-files past those totals (new data and video files, trailing episodes rows, new tasks) and staged
-temporary files (partly encoded videos among them); ``resume`` removes them, so numbering
-continues without a gap. Everything is read and
+files past those totals (new data and video files, trailing episodes rows, new tasks, rows at
+the end of the last data file and frames at the end of a camera's last video file, which a call
+appends to) and staged temporary files (partly encoded videos among them); ``resume`` removes
+them (the last data and video files are written again without their tail, under a hidden name
+renamed over them), so numbering continues without a gap. Everything is read and
 checked first; files change only once the whole folder is known to be consistent, so a folder
 that is not raises ``ValueError``, naming the offending file, and is left untouched.
 """
@@ -28,6 +30,7 @@ from jaxtraj.lerobot import files, stats
 from jaxtraj.lerobot.format import (
     DATA_GLOB,
     DATA_PATH,
+    DICTIONARY_COLUMNS,
     EPISODES_GLOB,
     STATS_PATH,
     STATS_PREVIOUS_PATH,
@@ -44,7 +47,7 @@ from jaxtraj.lerobot.format import (
     video_keys,
     video_path,
 )
-from jaxtraj.lerobot.video import decode
+from jaxtraj.lerobot.video import decode, remux
 from jaxtraj.lerobot.video import num_frames as video_frames
 
 # The episodes-metadata columns the writer needs to continue a dataset.
@@ -69,6 +72,7 @@ class Committed:
         meta_table: That file's rows.
         stats: Every feature's running statistics over the committed frames.
         video_locs: Per video feature, its last video file's location.
+        video_frames: Per video feature, the committed frames of that file.
     """
 
     tasks: list[str]
@@ -77,6 +81,7 @@ class Committed:
     meta_table: pa.Table | None
     stats: dict[str, stats.Stats]
     video_locs: dict[str, Location]
+    video_frames: dict[str, int]
 
 
 def check_empty(root: Path) -> None:
@@ -236,7 +241,8 @@ def resume(root: Path, info: Mapping[str, Any], features: Mapping[str, Any]) -> 
     rows: dict[Location, int] = {}
     for loc, length in zip(locs, cols["length"].tolist()):
         rows[loc] = rows.get(loc, 0) + length
-    data_files = []
+    data_files: list[Path] = []
+    truncate_data: list[tuple[int, Path, pa.Table]] = []
     for loc, expected_rows in rows.items():
         path = data_path(root, loc)
         if not path.is_file():
@@ -245,6 +251,13 @@ def resume(root: Path, info: Mapping[str, Any], features: Mapping[str, Any]) -> 
             found_rows = pq.ParquetFile(path).metadata.num_rows
         except (OSError, ValueError) as err:
             raise ValueError(f"{path}: damaged data file ({err})") from None
+        if found_rows > expected_rows and loc == locs[-1]:
+            # The last file gained the next call's rows before its info.json: drop them.
+            table = _read_table(path, "data file")
+            tail = table.column("episode_index").to_numpy()[expected_rows:]
+            if (tail >= num_episodes).all():
+                truncate_data.append((len(data_files), path, table.slice(0, expected_rows)))
+                found_rows = expected_rows
         if found_rows != expected_rows:
             raise ValueError(
                 f"{path}: holds {found_rows} rows, the episodes metadata says {expected_rows}"
@@ -260,6 +273,8 @@ def resume(root: Path, info: Mapping[str, Any], features: Mapping[str, Any]) -> 
     # Video files: likewise per camera, every file a committed episode names must hold the
     # frames its rows reach; files past the last are the uncommitted tail.
     video_locs: dict[str, Location] = {}
+    video_ends: dict[str, int] = {}
+    truncate: list[tuple[Path, int]] = []
     video_files: dict[str, list[tuple[Path, list[tuple[int, int]]]]] = {}
     fps = info["fps"]
     for key in videos:
@@ -289,6 +304,11 @@ def resume(root: Path, info: Mapping[str, Any], features: Mapping[str, Any]) -> 
                     f" {max(end for _, end in ranges)}"
                 )
             video_files[key].append((path, ranges))
+            end = max(end for _, end in ranges)
+            if loc == vlocs[-1]:
+                video_ends[key] = end
+                if found > end:  # the next call's frames, appended before its info.json
+                    truncate.append((path, end))
         if vlocs:
             video_locs[key] = vlocs[-1]
         for loc, path in located_files(root, f"videos/{glob.escape(key)}/*/*.mp4"):
@@ -321,7 +341,47 @@ def resume(root: Path, info: Mapping[str, Any], features: Mapping[str, Any]) -> 
         if table.num_rows > num_tasks:
             rewrite.append((path, tasks_table(tasks), {}))
 
-    # Statistics: the cached state if it is sound and matches info.json, else a rescan.
+    # Consistent. The last data file without its tail is staged now, under its hidden name:
+    # the statistics are rebuilt from it if need be; it is renamed over the file below.
+    staged: list[files.Staged] = []
+    for i, path, table in truncate_data:
+        staged.append(
+            files.stage_table(path, table, compression="snappy", use_dictionary=DICTIONARY_COLUMNS)
+        )
+        data_files[i] = staged[-1][0]
+    try:
+        running = _statistics(root, features, num_frames, data_files, video_episodes)
+    except BaseException:
+        files.discard(staged)
+        raise
+    running, stale = running
+    if not num_frames:
+        remove += [
+            p
+            for p in (root / STATS_PATH, root / STATS_STATE_PATH, root / STATS_PREVIOUS_PATH)
+            if p.is_file()
+        ]
+
+    # Now drop the uncommitted tail.
+    files.publish(staged)
+    for path, table, options in rewrite:
+        files.write_table(path, table, **options)
+    for path, end in truncate:
+        import av
+
+        tmp = files.tmp_path(path)
+        remux(av, path, end, None, tmp, fps)
+        files.publish([(tmp, path)])
+    for path in remove:
+        path.unlink(missing_ok=True)  # a stray temporary may share a name staged above
+    if num_frames and stale:
+        files.publish(stats.stage_files(root, running, num_frames))
+    return Committed(tasks, last, meta_loc, meta_table, running, video_locs, video_ends)
+
+
+def _statistics(root, features, num_frames, data_files, video_episodes):
+    """The cached statistics if sound and of ``num_frames`` frames, else a rescan; and whether
+    ``stats.json`` needs writing again."""
     running = stats.load_state(root / STATS_STATE_PATH, features, num_frames)
     if running is None:
         running = stats.load_state(root / STATS_PREVIOUS_PATH, features, num_frames)
@@ -334,18 +394,4 @@ def resume(root: Path, info: Mapping[str, Any], features: Mapping[str, Any]) -> 
             stale = saved["index"]["count"] != [num_frames]
         except (OSError, ValueError, KeyError, TypeError):
             stale = True
-    if not num_frames:
-        remove += [
-            p
-            for p in (root / STATS_PATH, root / STATS_STATE_PATH, root / STATS_PREVIOUS_PATH)
-            if p.is_file()
-        ]
-
-    # Consistent: now drop the uncommitted tail.
-    for path, table, options in rewrite:
-        files.write_table(path, table, **options)
-    for path in remove:
-        path.unlink()
-    if num_frames and stale:
-        files.publish(stats.stage_files(root, running, num_frames))
-    return Committed(tasks, last, meta_loc, meta_table, running, video_locs)
+    return running, stale

@@ -11,6 +11,13 @@ cap (checked between episodes, as LeRobot does; the frames the encoder still hol
 at the mean size of those it has written), and the next episode starts a new file. An episode is
 never split across files.
 
+Across calls the writer goes on filling a camera's current file (:func:`append`): the combined
+file is written under a new hidden name by remuxing, without re-encoding, the current file's
+packets (those before its committed frame count) and then the new call's, their timestamps
+shifted to follow on; the writer renames it over the current file when it commits the call. The
+file in place is never modified, so a killed writer leaves either the old file or the whole new
+one.
+
 The writer encodes in a separate process, one job (one call's frames of one camera) at a time,
 under a watchdog (:class:`EncoderProcess`): on this 2-core VM an SVT-AV1 encode occasionally
 never returns, and a native call that never returns can only be ended by ending its process.
@@ -215,6 +222,20 @@ def encode(
         "first_episode": int(first_episode),
         "fault": os.environ.get(FAULT_ENV),
     }
+    return _run_job(
+        encoder,
+        job,
+        episodes,
+        paths,
+        timeout,
+        retries,
+        cancelled,
+        _episodes_name(first_episode, len(episodes)),
+    )
+
+
+def _run_job(encoder, job, episodes, paths, timeout, retries, cancelled, name):
+    """Attempts at one job in the encoder process, each under the watchdog; see ``encode``."""
     failures: list[str] = []
     with _ONE_ENCODER:
         for attempt in range(retries + 1):
@@ -230,7 +251,7 @@ def encode(
                     _log.warning(
                         "%s: encoding attempt %d of %d failed, trying again in a fresh encoder "
                         "process: %s",
-                        _episodes_name(first_episode, len(episodes)),
+                        name,
                         attempt + 1,
                         retries + 1,
                         err,
@@ -242,9 +263,96 @@ def encode(
                     path.unlink(missing_ok=True)
                 continue
             return result
-    name = _episodes_name(first_episode, len(episodes))
     tried = sum(f.startswith("attempt") for f in failures)
-    raise RuntimeError(f"{name}: not encoded, {tried} attempt(s) failed: {'; '.join(failures)}")
+    verb = "not appended" if job.get("remux") else "not encoded"
+    raise RuntimeError(f"{name}: {verb}, {tried} attempt(s) failed: {'; '.join(failures)}")
+
+
+def append(
+    current: Path,
+    keep_frames: int,
+    new: Path,
+    out: Path,
+    fps: int,
+    name: str,
+    *,
+    encoder: EncoderProcess | None = None,
+    timeout_s: float | None = None,
+    retries: int = 0,
+    cancelled: Callable[[], bool] | None = None,
+) -> Path:
+    """Write ``out``: ``current``'s first ``keep_frames`` frames, then every frame of ``new``.
+
+    Packets are copied, not re-encoded (:func:`remux`); ``new``'s frames follow at
+    ``keep_frames``, ``keep_frames + 1``, ... (in ``1/fps`` units). Both files must come from
+    the same encoder settings. ``current`` and ``new`` are left as they are.
+
+    Args:
+        current: The camera's committed file.
+        keep_frames: Its committed frames (a killed writer may have left more).
+        new: A call's freshly encoded file (its frames from ``pts = 0``).
+        out: Where the combined file is written (a hidden temporary name).
+        fps: Frames per second.
+        name: What the error message names (the call's episodes).
+        encoder, timeout_s, retries, cancelled: As for :func:`encode`; None runs in this
+            process. ``timeout_s`` None is 60 s plus 1 ms per frame of the combined file.
+
+    Raises:
+        RuntimeError: the remux failed every attempt; ``out`` is not left.
+    """
+    if encoder is None:
+        import av
+
+        remux(av, current, keep_frames, new, out, fps)
+        return out
+    if timeout_s is None:
+        timeout_s = TIMEOUT_FLOOR_S + 0.001 * (keep_frames + num_frames(new))
+    job = {
+        "remux": [str(current), int(keep_frames), str(new)],
+        "paths": [str(out)],
+        "shapes": [],
+        "fps": int(fps),
+        "fault": os.environ.get(FAULT_ENV),
+    }
+    _run_job(encoder, job, [], [out], float(timeout_s), retries, cancelled, name)
+    return out
+
+
+def remux(av, current: Path, keep_frames: int, new: Path | None, out: Path, fps: int) -> None:
+    """Copy ``current``'s packets before frame ``keep_frames``, then ``new``'s, into ``out``.
+
+    The mp4 muxer keeps its own time base (1/10240 at 10 fps, say), so frame counts are turned
+    into each input's ticks. A call's file is one encoder session, flushed at its end, and
+    sessions follow each other whole: the packets shown before ``keep_frames`` are exactly the
+    committed sessions, and they reference no later frame. ``new`` None only truncates.
+    """
+    try:
+        with av.open(str(out), "w", format="mp4") as output:
+            with av.open(str(current)) as source:
+                stream = source.streams.video[0]
+                # opaque: the template's codec parameters (the AV1 sequence header included)
+                # are copied as they are, without looking up an encoder for the stream.
+                target = output.add_stream_from_template(stream, opaque=True)
+                end = int(Fraction(int(keep_frames), int(fps)) / stream.time_base)
+                for packet in source.demux(stream):
+                    if packet.dts is None or packet.pts is None or packet.pts >= end:
+                        continue  # the demuxer's final empty packet; frames past the commit
+                    packet.stream = target
+                    output.mux(packet)
+            if new is not None:
+                with av.open(str(new)) as source:
+                    stream = source.streams.video[0]
+                    shift = int(Fraction(int(keep_frames), int(fps)) / stream.time_base)
+                    for packet in source.demux(stream):
+                        if packet.dts is None or packet.pts is None:
+                            continue
+                        packet.pts += shift
+                        packet.dts += shift
+                        packet.stream = target
+                        output.mux(packet)
+    except BaseException:
+        out.unlink(missing_ok=True)
+        raise
 
 
 def default_timeout(episodes: Sequence[np.ndarray]) -> float:
@@ -637,6 +745,17 @@ def _serve() -> None:
             frames[offsets[i] : offsets[i + 1]].reshape(shape) for i, shape in enumerate(shapes)
         ]
         fault = _fault(job)
+        if job.get("remux"):
+            current, keep, new = job["remux"]
+            try:
+                if fault is not None:
+                    fault(1)
+                remux(av, Path(current), keep, Path(new), Path(job["paths"][0]), job["fps"])
+                answer = ("ok", list(job["paths"]), [])
+            except Exception as err:
+                answer = ("error", f"appending to {current}: {err}")
+            _send(out, answer)
+            continue
         try:
             paths, placed = _encode(
                 av,

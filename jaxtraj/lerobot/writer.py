@@ -1,26 +1,32 @@
 """``LeRobotWriter``: append completed episodes to a LeRobot ``v3.0`` dataset folder.
 
-Append strategy. ``add_episodes`` starts a new data file for every call, and more than one when
-the call's frames would pass ``data_files_size_in_mb`` (measured, like LeRobot's aggregation does,
-as uncompressed column bytes); an episode is never split, so an episode larger than the limit gets
-a file of its own. Committed data files are never rewritten, so a call costs the same whatever the
-dataset's size, but files are as large as the calls: give ``add_episodes`` batches of a few MB (a
-collector's flush), not single short episodes, or the dataset fills with small files. The episodes
-metadata, about 80 bytes per episode, is appended by rewriting its current file until that file
-would pass the same size limit or 1 MiB, whichever is smaller (the cap bounds the rewrite); the
-next file index rolls into the next chunk after ``chunks_size`` files, for data and metadata alike.
+Append strategy. Episodes follow each other in the current data file across calls until the next
+episode would take it past ``data_files_size_in_mb`` (measured, like LeRobot's aggregation does,
+as uncompressed column bytes); then a new file starts. An episode is never split, so an episode
+larger than the limit gets a file of its own. A call appends by writing the current file again,
+its rows followed by the call's, under a hidden name, renamed over it at the commit: a call costs
+a read and a write of the current file, up to the cap (about 0.5 s a call near a 100 MB cap on
+the 2-core VM; with cameras in the committer thread, off the caller's path). Each camera's
+current video file likewise goes on across calls (:func:`jaxtraj.lerobot.video.append`: its
+packets and the call's remuxed, not re-encoded, into a new hidden file) while the combined file
+stays within ``video_files_size_in_mb``. The episodes metadata, about 80 bytes per episode, is
+appended by rewriting its current file until that file would pass the same size limit or 1 MiB,
+whichever is smaller (the cap bounds the rewrite); the next file index rolls into the next chunk
+after ``chunks_size`` files, for data, metadata and videos alike.
 
 Crash safety. No file is kept open between calls. A call first writes every file it changes
 under a hidden temporary name that no LeRobot glob matches (:mod:`jaxtraj.lerobot.files`); all
 the encoding, compression and statistics happen there, and a process killed during that phase
 leaves the visible dataset exactly as the previous call committed it. Only then are the files
 renamed into place, with nothing but renames in between: data files (rows no episode refers to
-yet), new tasks, statistics, the episodes metadata, and ``meta/info.json`` last, which is the
-commit point. A process killed between two of those renames leaves a tail beyond
-``total_frames``/``total_episodes``/``total_tasks`` that a reader can see until the folder is
-reopened: ``LeRobotWriter.open`` (or the constructor on an existing folder) checks the folder,
-removes that tail and stray temporary files (:mod:`jaxtraj.lerobot.resume`), and numbering
-resumes without a gap. One writer per folder at a time.
+yet; a rewritten current file keeps its committed rows first, unchanged), new tasks,
+statistics, the episodes metadata, and ``meta/info.json`` last, which is the commit point. A
+process killed between two of those renames leaves a tail beyond
+``total_frames``/``total_episodes``/``total_tasks`` (new files, or rows and frames at the end of
+the current data and video files) that a reader can see until the folder is reopened:
+``LeRobotWriter.open`` (or the constructor on an existing folder) checks the folder, removes
+that tail and stray temporary files (:mod:`jaxtraj.lerobot.resume`), and numbering resumes
+without a gap. One writer per folder at a time.
 
 The statistics update (:mod:`jaxtraj.lerobot.stats`) runs in a helper thread while the parquet
 files are written (both release the GIL); the thread ends within the call.
@@ -32,8 +38,10 @@ GIL; video encodes run one at a time in a supervised encoder process, see
 :mod:`jaxtraj.lerobot.video`), queues the call for a committer thread and returns the episode
 indices it assigned. The committer commits calls in order, each as above once its encodes are
 done; a call's video files (one or more per
-camera) are encoded under hidden temporary names and renamed into place with its data files,
-before the metadata that refers to them, so no committed metadata ever names a partly written mp4.
+camera) are encoded under hidden temporary names; the first joins the camera's current file (the
+committer has the encoder process remux both into a new hidden file) and all are renamed into
+place with its data files, before the metadata that refers to them, so no committed metadata
+ever names a partly written mp4.
 Memory is bounded: while the frames of uncommitted calls pass ``max_pending_mb``,
 ``add_episodes`` blocks; nothing is dropped. ``wait()`` returns once everything accepted is
 committed; ``close()`` waits and stops the threads; the encoder process is ended, or kept
@@ -65,6 +73,7 @@ import json
 import logging
 import os
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -73,11 +82,14 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute  # noqa: F401  (pa.compute)
+import pyarrow.parquet as pq
 
 from jaxtraj.lerobot import files, images, resume, stats, video
 from jaxtraj.lerobot.format import (
     DEFAULT_FEATURES,
     DEFAULT_VIDEO_FILES_SIZE_IN_MB,
+    DICTIONARY_COLUMNS,
     INFO_PATH,
     TASKS_PATH,
     Location,
@@ -98,9 +110,6 @@ from jaxtraj.lerobot.validate import check_episodes
 
 _log = logging.getLogger(__name__)
 
-# Dictionary encoding pays only on low-cardinality columns; on float observations it builds a
-# hash table that overflows and is thrown away, which more than doubles the write time.
-DICTIONARY_COLUMNS = ["episode_index", "task_index", "frame_index"]
 # Episodes-metadata row: 8 int64 columns plus the list and string offsets of ``tasks``.
 _META_ROW_NBYTES = 8 * 8 + 4 + 4
 # Every call rewrites the current episodes-metadata file; capping it (about 11,000 episodes)
@@ -293,11 +302,13 @@ class LeRobotWriter:
                 chunks_size,
                 video_files_size_in_mb,
             )
-            state = resume.Committed([], None, None, None, stats.empty(self._features), {})
+            state = resume.Committed([], None, None, None, stats.empty(self._features), {}, {})
             files.write_json(info_path, self._info)
         self._tasks: list[str] = state.tasks
         self._task_index = {task: i for i, task in enumerate(self._tasks)}
         self._data_loc: Location | None = state.data_loc
+        # The current data file's size as the limit counts it (uncompressed column bytes).
+        self._data_nbytes = self._file_nbytes(state.data_loc)
         self._meta_loc: Location | None = state.meta_loc
         self._meta_table: pa.Table | None = state.meta_table
         self._meta_nbytes = 0 if state.meta_table is None else state.meta_table.nbytes
@@ -305,6 +316,14 @@ class LeRobotWriter:
         self._video_locs: dict[str, Location | None] = {
             k: state.video_locs.get(k) for k in self._video_keys
         }
+        # Committed frames of each camera's current video file.
+        self._video_frames: dict[str, int] = {
+            k: state.video_frames.get(k, 0) for k in self._video_keys
+        }
+        #: How often ``add_episodes`` waited for the encoder backlog (``max_pending_mb``), and
+        #: for how long in all, in seconds.
+        self.blocked_calls = 0
+        self.blocked_s = 0.0
         # Background path (cameras only): the caller's counters run ahead of the committed ones.
         self._next_episode = self._info["total_episodes"]
         self._next_frame = self._info["total_frames"]
@@ -444,12 +463,18 @@ class LeRobotWriter:
 
         call.nbytes = sum(a.nbytes for arrays in cameras.values() for a in arrays)
         with self._cond:
+            blocked_at = None
             while (
                 self._error is None
                 and self._pending_bytes
                 and self._pending_bytes + call.nbytes > self._max_pending
             ):
+                if blocked_at is None:
+                    blocked_at = time.perf_counter()
                 self._cond.wait()
+            if blocked_at is not None:
+                self.blocked_calls += 1
+                self.blocked_s += time.perf_counter() - blocked_at
             self._check_usable()
             self._pending_bytes += call.nbytes
         if self._pool is None:
@@ -639,8 +664,10 @@ class LeRobotWriter:
             )
             worker.start()
             try:
-                data_loc, episode_locs = self._stage_data(data, table, lengths_np, episode_nbytes)
-                video_locs, video_columns = self._stage_videos(staged_videos, call)
+                data_loc, data_nbytes, episode_locs = self._stage_data(
+                    data, table, lengths_np, episode_nbytes
+                )
+                video_locs, video_frames, video_columns = self._stage_videos(staged_videos, call)
                 if "next.success" in call.columns:  # per episode: did it succeed at all
                     flags = np.asarray(call.columns["next.success"]).reshape(num_frames, -1)
                     starts = np.cumsum(lengths_np) - lengths_np
@@ -682,10 +709,11 @@ class LeRobotWriter:
         # Committed: only now does the in-memory state move, so a failed call can be retried.
         self._info = info
         self._tasks, self._task_index = all_tasks, task_index
-        self._data_loc = data_loc
+        self._data_loc, self._data_nbytes = data_loc, data_nbytes
         self._meta_loc, self._meta_table, self._meta_nbytes = meta_loc, meta_table, meta_nbytes
         self._stats = result["stats"]
         self._video_locs.update(video_locs)
+        self._video_frames.update(video_frames)
 
     def _merge_stats(self, call: _Call, num_frames: int, result: dict[str, Any]) -> None:
         """Thread body: the statistics with the call's frames added, and their stats.json."""
@@ -707,24 +735,61 @@ class LeRobotWriter:
 
     def _stage_videos(
         self, staged: list[files.Staged], call: _Call
-    ) -> tuple[dict[str, Location], dict[str, pa.Array]]:
-        """Place the call's encoded video files after each camera's last one.
+    ) -> tuple[dict[str, Location], dict[str, int], dict[str, pa.Array]]:
+        """Place the call's encoded video files: the first joins each camera's current file.
+
+        The call's first file is appended to the camera's current one (remuxed together into a
+        new hidden file, renamed over it at the commit) unless the two would pass
+        ``video_files_size_in_mb``; the call's other files, and a first file that does not fit,
+        follow as new files.
 
         Returns:
-            Each camera's last file location, and the episodes-metadata video columns.
+            Each camera's last file location and its frames, and the episodes-metadata video
+            columns.
         """
         locs: dict[str, Location] = {}
+        frames_in_last: dict[str, int] = {}
         columns: dict[str, pa.Array] = {}
         fps = self._info["fps"]
+        limit = self._video_limit()
         for key in self._video_keys:
             paths, placed = call.encodes[key].result()
             loc = self._video_locs.get(key)
-            part_locs = []
-            for tmp in paths:
-                loc = next_location(loc, self._info["chunks_size"])
+            offsets = [0] * len(paths)
+            part_locs: list[Location] = []
+            frames = [0] * len(paths)
+            for p in placed:
+                frames[p.part] = max(frames[p.part], p.start + p.length)
+            for i, tmp in enumerate(paths):
+                current = video_path(self._root, key, loc) if loc is not None else None
+                if (
+                    i == 0
+                    and current is not None
+                    and current.stat().st_size + tmp.stat().st_size <= limit
+                ):
+                    keep = self._video_frames[key]
+                    out = files.tmp_path(current)
+                    staged.append((out, current))  # discarded if the remux fails
+                    video.append(
+                        current,
+                        keep,
+                        tmp,
+                        out,
+                        fps,
+                        f"{call.describe()}, appending to {current.relative_to(self._root)}",
+                        encoder=self._encoder,
+                        retries=self._encode_retries,
+                        cancelled=lambda: self._error is not None,
+                    )
+                    tmp.unlink()
+                    offsets[0] = keep
+                    frames[0] += keep
+                else:
+                    loc = next_location(loc, self._info["chunks_size"])
+                    staged.append((tmp, video_path(self._root, key, loc)))
                 part_locs.append(loc)
-                staged.append((tmp, video_path(self._root, key, loc)))
             locs[key] = loc
+            frames_in_last[key] = frames[-1]
             prefix = f"videos/{key}/"
             columns[prefix + "chunk_index"] = pa.array(
                 [part_locs[p.part][0] for p in placed], type=pa.int64()
@@ -733,14 +798,42 @@ class LeRobotWriter:
                 [part_locs[p.part][1] for p in placed], type=pa.int64()
             )
             columns[prefix + "from_timestamp"] = pa.array(
-                [p.start / fps for p in placed], type=pa.float64()
+                [(offsets[p.part] + p.start) / fps for p in placed], type=pa.float64()
             )
             columns[prefix + "to_timestamp"] = pa.array(
-                [(p.start + p.length) / fps for p in placed], type=pa.float64()
+                [(offsets[p.part] + p.start + p.length) / fps for p in placed], type=pa.float64()
             )
         for path in {tmp.parent for tmp, path in staged} | {p.parent for _, p in staged}:
             path.mkdir(parents=True, exist_ok=True)
-        return locs, columns
+        return locs, frames_in_last, columns
+
+    def _video_limit(self) -> float:
+        size = self._info.get("video_files_size_in_mb") or DEFAULT_VIDEO_FILES_SIZE_IN_MB
+        return float(size) * (1 << 20)
+
+    def _file_nbytes(self, loc: Location | None) -> int:
+        """A committed data file's size as the limit counts it: what its episodes added."""
+        if loc is None:
+            return 0
+        path = data_path(self._root, loc)
+        rows = pq.ParquetFile(path).metadata.num_rows
+        nbytes = rows * self._frame_nbytes
+        if self._image_keys:
+            table = pq.read_table(path, columns=self._image_keys)
+            for name in self._image_keys:
+                column = table.column(name).combine_chunks().field("bytes")
+                nbytes += int(pa.compute.sum(pa.compute.binary_length(column)).as_py() or 0)
+        return int(nbytes)
+
+    def _current_data(self) -> pa.Table | None:
+        """The current data file's rows, to append to; None when it is full or not ours."""
+        limit = float(self._info["data_files_size_in_mb"]) * (1 << 20)
+        if self._data_loc is None or self._data_nbytes >= limit:
+            return None
+        table = pq.read_table(data_path(self._root, self._data_loc))
+        if not table.schema.equals(self._schema, check_metadata=False):
+            return None  # written by another tool (LeRobot): new rows go to a new file
+        return table.replace_schema_metadata(self._schema.metadata)
 
     def _stage_data(
         self,
@@ -748,8 +841,11 @@ class LeRobotWriter:
         table: pa.Table,
         lengths_np: np.ndarray,
         episode_nbytes: np.ndarray,
-    ) -> tuple[Location, list[Location]]:
+    ) -> tuple[Location, int, list[Location]]:
         """Stage the call's data files: greedy, whole episodes, a new file before the limit.
+
+        The first episodes join the current data file while it stays within the limit: that
+        file is staged again with its rows and theirs.
 
         Args:
             staged: Receives each staged file as it is written.
@@ -758,25 +854,36 @@ class LeRobotWriter:
             episode_nbytes: ``[E]`` their uncommitted column bytes.
 
         Returns:
-            The last data file's location, and each episode's.
+            The last data file's location and its size as the limit counts it, and each
+            episode's location.
         """
         limit = float(self._info["data_files_size_in_mb"]) * (1 << 20)
-        lengths = lengths_np.tolist()
         ends = np.cumsum(lengths_np)
         starts = ends - lengths_np
+        current = self._current_data()
+        # Groups of consecutive episodes, one per file: (appends to the current file, first
+        # episode, end episode, size).
+        groups: list[list] = []
+        group = [current is not None, 0, 0, self._data_nbytes if current is not None else 0]
+        for i, nbytes in enumerate(episode_nbytes.tolist()):
+            if (group[0] or group[2] > group[1]) and group[3] + nbytes > limit:
+                groups.append(group)
+                group = [False, i, i, 0]
+            group[2] = i + 1
+            group[3] += nbytes
+        groups.append(group)
         data_loc = self._data_loc
+        data_nbytes = self._data_nbytes
         episode_locs: list[Location] = []
-        group_start = 0
-        cum_bytes = np.concatenate([[0], np.cumsum(episode_nbytes)])
-        for i in range(len(lengths) + 1):
-            frames = int(ends[i - 1] - starts[group_start]) if i > group_start else 0
-            if i < len(lengths) and (
-                i == group_start or cum_bytes[i + 1] - cum_bytes[group_start] <= limit
-            ):
-                continue
-            data_loc = next_location(data_loc, self._info["chunks_size"])
-            episode_locs += [data_loc] * (i - group_start)
-            part = table.slice(int(starts[group_start]), frames)
+        for appends, first, end, nbytes in groups:
+            if end == first:
+                continue  # the current file takes none of them: it stays as it is
+            if not appends:
+                data_loc = next_location(data_loc, self._info["chunks_size"])
+            episode_locs += [data_loc] * (end - first)
+            part = table.slice(int(starts[first]), int(ends[end - 1] - starts[first]))
+            if appends:
+                part = pa.concat_tables([current, part])
             staged.append(
                 files.stage_table(
                     data_path(self._root, data_loc),
@@ -785,8 +892,8 @@ class LeRobotWriter:
                     use_dictionary=DICTIONARY_COLUMNS,
                 )
             )
-            group_start = i
-        return data_loc, episode_locs
+            data_nbytes = int(nbytes)
+        return data_loc, data_nbytes, episode_locs
 
     def _stage_metadata(
         self,
