@@ -215,6 +215,31 @@ def test_file_size_cap_and_chunks(tmp_path):
     assert distinct == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0)][: len(distinct)]
 
 
+@pytest.mark.parametrize("cap", [None, 0.004])
+def test_many_small_calls_fill_one_video_file_up_to_the_cap(tmp_path, cap):
+    """Issue 19 item 6: 30 calls of 1-3 short episodes. With LeRobot's caps: one data file and
+    one mp4 per camera; with a small video cap, files roll over, each within the cap."""
+    rng = np.random.default_rng(5)
+    calls = [batch(10 * c, rng.integers(2, 5, size=int(rng.integers(1, 4)))) for c in range(30)]
+    root = tmp_path / "ds"
+    with LeRobotWriter(
+        root, fps=FPS, features=FEATURES, video_files_size_in_mb=cap, encoder_workers=1
+    ) as writer:
+        for episodes, tasks in calls:
+            writer.add_episodes(episodes, tasks)
+    everything = [e for episodes, _ in calls for e in episodes]
+    check_videos(root, everything)  # every frame within PSNR_DB, timestamps continue
+    for key in (TOP, WRIST):
+        paths = sorted(root.glob(f"videos/{key}/*/*.mp4"))
+        if cap is None:
+            assert len(paths) == 1
+        else:
+            assert len(paths) >= 3
+            for path in paths[:-1]:
+                assert path.stat().st_size <= cap * 2**20
+    assert len(list(root.glob("data/*/*.parquet"))) == 1
+
+
 def test_h264_and_resume_keeps_the_settings(tmp_path):
     root = tmp_path / "ds"
     first, second = batch(0, [8, 4]), batch(2, [6])
@@ -592,11 +617,14 @@ def test_crash_at_every_commit_resumes_without_gaps(tmp_path):
         committed = json.loads((root / "meta/info.json").read_text())["total_episodes"]
         check_videos(root, first[0] + second[0], strict=False)
         assert committed == 2  # info.json is the last rename
-        # Reopening drops the tail (video files included); the call is then redone.
+        # Reopening drops the tail (video files included: the frames the second call
+        # appended to the first call's mp4); the call is then redone.
         with LeRobotWriter.open(root) as writer:
             assert writer.num_frames == 13
+            assert [video.num_frames(p) for p in sorted(root.glob("videos/*/*/*.mp4"))] == [13] * 2
             writer.add_episodes(*second)
         check_videos(root, first[0] + second[0])
+        assert len(list(root.glob("videos/*/*/*.mp4"))) == 2  # one file per camera
 
 
 SCRIPT = textwrap.dedent(

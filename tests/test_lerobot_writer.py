@@ -673,6 +673,96 @@ def test_crash_at_every_commit_leaves_a_loadable_dataset(tmp_path):
                 assert content == reference[name], name
 
 
+def test_many_small_calls_fill_one_file_up_to_the_cap(tmp_path):
+    """Issue 19 item 6: episodes of successive calls follow each other in the current file."""
+    rng = np.random.default_rng(21)
+    batches = [make_batch(rng, int(rng.integers(1, 4)), lo=2, hi=8) for _ in range(30)]
+    episodes = [e for b in batches for e in b[0]]
+    tasks = [t for b in batches for t in b[1]]
+    for cap in (None, 0.004):  # LeRobot's 100 MB, and about 44 frames a file
+        root = tmp_path / f"cap-{cap}"
+        writer = new_writer(root, data_files_size_in_mb=cap)
+        for batch in batches:
+            writer.add_episodes(*batch)
+        d = check_dataset(root)
+        expected = expected_columns(episodes, tasks)
+        for name, values in expected.items():
+            np.testing.assert_array_equal(column_to_numpy(d["data"].column(name)), values, name)
+        assert_stats(d["stats"], d["data"])
+        if cap is None:  # one data file and one episodes-metadata file for the 30 calls
+            assert (len(d["data_paths"]), len(d["meta_paths"])) == (1, 1)
+            continue
+        # Files fill up to the cap and no further; the next episode would have passed it.
+        frame = sum(  # bytes a frame as the cap counts them
+            np.dtype(s["dtype"]).itemsize * s["shape"][0]
+            for s in {**FEATURES, **DEFAULT_FEATURES}.values()
+        )
+        rows = [pq.ParquetFile(p).metadata.num_rows for p in d["data_paths"]]
+        lengths = [len(e["next.done"]) for e in episodes]
+        first = np.cumsum([0, *rows])[:-1]
+        starts = np.cumsum([0, *lengths])
+        for k, n in enumerate(rows):
+            assert n * frame <= cap * 2**20
+            if k + 1 < len(rows):  # the next file's first episode did not fit here
+                after = lengths[int(np.searchsorted(starts, first[k + 1]))]
+                assert (n + after) * frame > cap * 2**20
+        assert len(rows) >= 4
+        # Resumed, a writer goes on filling the last file.
+        before = rows[-1]
+        writer = LeRobotWriter.open(root)
+        writer.add_episodes(*make_batch(rng, 1, lo=2, hi=3))
+        after = [pq.ParquetFile(p).metadata.num_rows for p in sorted(root.glob(GLOBS[0]))]
+        assert after[:-1] == rows[:-1] and after[-1] > before
+        check_dataset(root)
+
+
+def test_crash_at_every_commit_of_an_appending_call(tmp_path):
+    """A call that appends to the committed data file, killed before and after each rename."""
+    rng = np.random.default_rng(22)
+    batches = [make_batch(rng, 2, lo=2, hi=6) for _ in range(4)]
+    batches[3][1][0] = "a brand new task"
+    commits = count_commits(tmp_path, batches)
+    reference = None
+    for k in range(commits[3]):
+        for rename in (False, True):
+            root = tmp_path / f"crash-{k}-{rename}"
+            writer = new_writer(root)
+            for batch in batches[:3]:
+                writer.add_episodes(*batch)
+            seen, real, renamed = [0], files.commit, []
+
+            def dying(tmp, path, k=k, rename=rename):
+                if seen[0] == k:
+                    if rename:
+                        real(tmp, path)
+                    raise Killed
+                seen[0] += 1
+                renamed.append(path.relative_to(root).as_posix())
+                real(tmp, path)
+
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(files, "commit", dying)
+                with pytest.raises(Killed):
+                    writer.add_episodes(*batches[3])
+            if k == 1:  # the data file, rewritten in place of the committed one, comes first
+                assert renamed == ["data/chunk-000/file-000.parquet"]
+            last_commit = rename and k == commits[3] - 1
+            d = check_dataset(root, strict=False)
+            assert d["info"]["total_episodes"] == (8 if last_commit else 6)
+            writer = LeRobotWriter.open(root)
+            assert not any(files.is_tmp(p) for p in root.rglob("*"))
+            d = check_dataset(root, strict=True)
+            assert_stats(d["stats"], d["data"])
+            if not last_commit:
+                writer.add_episodes(*batches[3])
+            d = check_dataset(root, strict=True)
+            assert_stats(d["stats"], d["data"])
+            assert len(d["data_paths"]) == 1
+            if reference is None:
+                reference = d["data"]
+            assert d["data"].equals(reference)
+
+
 def count_writes(root: Path, batches) -> list[int]:
     """How many files each call writes (parquet, npz and json), before any is renamed."""
     counts = []
