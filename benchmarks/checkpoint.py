@@ -11,7 +11,7 @@ checks and checksums, reading, and the arrays on the device. For reference, orba
 targets, no collector, no checksums) is timed too when orbax is installed. The calls take
 turns, so on a shared machine each meets the same load as its numpy counterpart.
 
-    python benchmarks/checkpoint.py [--quick]
+    python benchmarks/checkpoint.py [--quick] [--B 64 --T 64]
 
 Writes ``benchmarks/results/checkpoint.json``.
 """
@@ -73,8 +73,11 @@ def main():
     parser.add_argument(
         "--out", default=os.path.join(os.path.dirname(__file__), "results", "checkpoint.json")
     )
+    parser.add_argument("--B", type=int, default=None, help="environments; default 64 (--quick: 16)")
+    parser.add_argument("--T", type=int, default=None, help="chunks; default 64 (--quick: 16)")
     args = parser.parse_args()
     B, T = (16, 16) if args.quick else (64, 64)
+    B, T = args.B or B, args.T or T
     parts = make_parts(B, T)
     plan = TrajectoryPlan(num_chunks=T, batch_size=B)
     c = jaxtraj.TrajectoryCollector(plan, *examples(parts))
@@ -110,6 +113,8 @@ def main():
     report = {
         "benchmark": "checkpoint",
         "machine": machine(),
+        "B": B,
+        "T": T,
         "bytes": nbytes,
         "save_ms": save_s * 1e3,
         "restore_ms": restore_s * 1e3,

@@ -161,6 +161,24 @@ def run_memcpy(parts):
     return lambda: np.copyto(dst, src)
 
 
+def run_h2d_copy(parts, pinned):
+    """One host-to-device copy of the step's bytes (one contiguous uint8 buffer) into a new
+    device buffer: from pageable numpy memory, or (``pinned``) from a buffer JAX placed in
+    the device's ``pinned_host`` memory, the DMA's best case. ``None`` when the device has
+    no pinned host memory."""
+    dev = jax.devices()[0]
+    src = np.random.default_rng(1).integers(0, 255, nbytes(parts), np.uint8)
+    if not pinned:
+        return lambda: jax.block_until_ready(jax.device_put(src, dev))
+    kinds = {m.kind for m in dev.addressable_memories()}
+    if "pinned_host" not in kinds:
+        return None
+    sharding = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
+    host = jax.block_until_ready(jax.device_put(src, sharding))
+    to_device = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
+    return lambda: jax.block_until_ready(jax.device_put(host, to_device))
+
+
 def run_jax_copy(parts):
     """A jitted copy of the same bytes into a new device buffer: what any JAX program
     pays to produce that many fresh bytes (first-touch page faults included)."""
@@ -212,9 +230,14 @@ def block(items):
     return items
 
 
-def run_jaxtraj_add(parts, plan, repeats):
+def run_jaxtraj_add(parts, plan, repeats, storage="auto", device_parts=False):
+    """``TrajectoryCollector.add`` per half, then the flush. ``storage`` is the collector's
+    (``"auto"``, ``"host"``, ``"device"``); ``device_parts`` hands the halves over already on
+    the default device (one copy of the step's arrays, shared by every training step)."""
+    if device_parts:
+        parts = jax.block_until_ready(jax.device_put(parts))
     pol, env = examples(parts)
-    c = jaxtraj.TrajectoryCollector(plan, pol, env)
+    c = jaxtraj.TrajectoryCollector(plan, pol, env, storage=storage)
     steps = iter(steps_of(parts, repeats + 2))
 
     def collect():
@@ -443,8 +466,15 @@ def machine():
     }
 
 
-def run_case(case, B, T, repeats):
-    """Every contender on one step of ``case`` parts, side by side."""
+def run_case(case, B, T, repeats, h2d=False, storages=False):
+    """Every contender on one step of ``case`` parts, side by side.
+
+    ``h2d`` adds ``h2d_copy`` and ``pinned_h2d_copy`` (one host-to-device copy of the
+    step's bytes, pageable and pinned; the latter only where the device has pinned host
+    memory); ``storages`` adds the facade with each storage choice, numpy parts into
+    device storage and device-resident parts into auto and host storage, to tell whether
+    ``storage="auto"`` picks the faster one (``jaxtraj_add`` is numpy parts, auto).
+    """
     parts = make_parts(B, T, case=case)
     plan = TrajectoryPlan(num_chunks=T, batch_size=B)
     runs = {
@@ -457,6 +487,17 @@ def run_case(case, B, T, repeats):
         "jaxtraj_jit": run_jaxtraj_jit(parts, plan, repeats),
         "jaxtraj_jit_stacked": run_jaxtraj_jit_stacked(parts, plan, repeats),
     }
+    if h2d:
+        runs["h2d_copy"] = run_h2d_copy(parts, pinned=False)
+        pinned = run_h2d_copy(parts, pinned=True)
+        if pinned is not None:
+            runs["pinned_h2d_copy"] = pinned
+    if storages:
+        runs["jaxtraj_add_device_storage"] = run_jaxtraj_add(parts, plan, repeats, "device")
+        runs["jaxtraj_add_device_parts"] = run_jaxtraj_add(parts, plan, repeats, device_parts=True)
+        runs["jaxtraj_add_device_parts_host_storage"] = run_jaxtraj_add(
+            parts, plan, repeats, "host", device_parts=True
+        )
     # Interleave the contenders round by round so that they meet the same machine load.
     times = {name: [] for name in runs}
     first = {}
@@ -479,13 +520,32 @@ def run_case(case, B, T, repeats):
         r["x_memcpy"] = r["ms"] / copy
         r["x_floor"] = r["ms"] / floor
     host = results["host_dict_stack"]["ms"]
-    return {
+    report = {
         "step": {"case": case, **CASES[case], "B": B, "T": T, "E": 1, "halves": len(parts),
                  "bytes": nbytes(parts)},
         "results": results,
         "facade_speedup_over_host_collector": host / results["jaxtraj_add"]["ms"],
         "memory": memory(parts, plan),
     }
+    copy_name = "pinned_h2d_copy" if "pinned_h2d_copy" in results else "h2d_copy"
+    if copy_name in results:
+        h2d_ms = results[copy_name]["ms"]
+        for r in results.values():
+            r["x_h2d"] = r["ms"] / h2d_ms
+        # Speed as a share of the copy's (the issue's target: at least 0.8).
+        report["facade_share_of_h2d_copy"] = {
+            "copy": copy_name,
+            **{n: h2d_ms / results[n]["ms"] for n in ("jaxtraj_add", "jaxtraj_add_many")},
+        }
+    if storages:
+        report["storage_auto"] = {
+            "backend": jax.default_backend(),
+            "numpy_parts_ms": {"auto": results["jaxtraj_add"]["ms"],
+                               "device": results["jaxtraj_add_device_storage"]["ms"]},
+            "device_parts_ms": {"auto": results["jaxtraj_add_device_parts"]["ms"],
+                                "host": results["jaxtraj_add_device_parts_host_storage"]["ms"]},
+        }
+    return report
 
 
 def single_add_us(repeats, halves=512):
@@ -513,13 +573,27 @@ def print_case(report):
         f"\n{st['case']}: B={st['B']} T={st['T']}, image {st['image']}, {st['halves']} halves, "
         f"{st['bytes'] / 2**20:.1f} MiB"
     )
-    print(f"{'contender':<22}{'ms':>9}{'x memcpy':>10}{'x floor':>9}{'first ms':>10}")
+    w = max(22, 2 + max(map(len, report["results"])))
+    print(f"{'contender':<{w}}{'ms':>9}{'x memcpy':>10}{'x floor':>9}{'first ms':>10}")
     for name, r in report["results"].items():
         print(
-            f"{name:<22}{r['ms']:>9.2f}{r['x_memcpy']:>10.2f}{r['x_floor']:>9.2f}"
+            f"{name:<{w}}{r['ms']:>9.2f}{r['x_memcpy']:>10.2f}{r['x_floor']:>9.2f}"
             f"{r['first_call_ms']:>10.1f}"
         )
     print(f"facade speed-up over the host collector: {report['facade_speedup_over_host_collector']:.2f}x")
+    if "facade_share_of_h2d_copy" in report:
+        share = report["facade_share_of_h2d_copy"]
+        print(
+            f"facade speed as a share of one {share['copy']} of the same bytes: add "
+            f"{share['jaxtraj_add']:.0%}, add_many {share['jaxtraj_add_many']:.0%} (target >= 80%)"
+        )
+    if "storage_auto" in report:
+        st = report["storage_auto"]
+        print(
+            f"storage on {st['backend']}: numpy parts auto {st['numpy_parts_ms']['auto']:.2f} ms "
+            f"vs device {st['numpy_parts_ms']['device']:.2f} ms; device parts auto "
+            f"{st['device_parts_ms']['auto']:.2f} ms vs host {st['device_parts_ms']['host']:.2f} ms"
+        )
 
 
 def main():
@@ -530,24 +604,48 @@ def main():
     parser.add_argument("--T", type=int, default=64, help="chunks of the bench case")
     parser.add_argument("--cases", default="bench,camera")
     parser.add_argument(
+        "--h2d", action="store_true",
+        help="also time one host-to-device copy of each step's bytes (pageable and pinned)",
+    )
+    parser.add_argument(
+        "--storages", action="store_true",
+        help="also time the facade with each storage choice (is storage='auto' right?)",
+    )
+    parser.add_argument("--camera-B", type=int, default=32, help="environments of the camera case")
+    parser.add_argument("--camera-T", type=int, default=48, help="chunks of the camera case")
+    parser.add_argument(
+        "--no-extras", action="store_true",
+        help="skip the tiny-parts, single-add and capacity figures (cases only)",
+    )
+    parser.add_argument(
         "--out", default=os.path.join(os.path.dirname(__file__), "results", "collect.json")
     )
     args = parser.parse_args()
     repeats = 2 if args.quick else args.repeats
     sizes = {"bench": (16, 16) if args.quick else (args.B, args.T),
-             "camera": (8, 12) if args.quick else (32, 48)}
+             "camera": (8, 12) if args.quick else (args.camera_B, args.camera_T)}
     report = {"benchmark": "collect", "machine": machine(), "cases": {}}
     for case in args.cases.split(","):
-        report["cases"][case] = run_case(case, *sizes[case], repeats)
+        report["cases"][case] = run_case(case, *sizes[case], repeats, args.h2d, args.storages)
         print_case(report["cases"][case])
-    report["tiny_parts"] = tiny_overhead(repeats, halves=1024 if args.quick else 4096)
-    report["single_add"] = single_add_us(repeats)
-    report["capacity"] = capacity_scaling(repeats, large=512 if args.quick else 4096)
+    if not args.no_extras:
+        report["tiny_parts"] = tiny_overhead(repeats, halves=1024 if args.quick else 4096)
+        report["single_add"] = single_add_us(repeats)
+        report["capacity"] = capacity_scaling(repeats, large=512 if args.quick else 4096)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
     m = report["machine"]
     print(f"\nmachine: {m['cpu_model'] or m['processor']}, {m['cpu_count']} cpus, jax {m['jax']} on {m['backend']}")
+    for case, rep in report["cases"].items():
+        mem = rep["memory"]
+        print(
+            f"state memory ({case}): parts {mem['parts_bytes'] / 2**20:.2f} MiB; state with "
+            f"transitions off {mem['state_bytes_off'] / 2**20:.2f} MiB, on "
+            f"{mem['state_bytes_on'] / 2**20:.2f} MiB"
+        )
+    if args.no_extras:
+        return
     tiny = report["tiny_parts"]
     for name in ("list", "stacked"):
         r = tiny[name]
@@ -556,13 +654,6 @@ def main():
             f"{r['us_per_half']:.2f} us/half, overhead over memcpy {r['overhead_us_per_half']:.2f} us/half"
         )
     print(f"tiny parts, one add per half: {report['single_add']['us_per_add']:.1f} us")
-    for case, rep in report["cases"].items():
-        mem = rep["memory"]
-        print(
-            f"state memory ({case}): parts {mem['parts_bytes'] / 2**20:.2f} MiB; state with "
-            f"transitions off {mem['state_bytes_off'] / 2**20:.2f} MiB, on "
-            f"{mem['state_bytes_on'] / 2**20:.2f} MiB"
-        )
     cap = report["capacity"]
     us = cap["us_per_insert"]
     print(

@@ -11,7 +11,8 @@ log-probabilities, a value, 256 tokens, 8 action-level rewards). The flush compu
 GAE, normalises advantages over every source, shuffles, and packs micro-batches for
 the Actor ranks. Compile time is reported apart from run time.
 
-    python benchmarks/pipeline.py [--quick]
+    python benchmarks/pipeline.py [--quick] [--S 2 --T 64 --B 64] [--actor-ranks 4]
+                                  [--micro-batch-size 256]
 
 Writes ``benchmarks/results/pipeline.json``.
 """
@@ -39,16 +40,22 @@ def main():
     parser.add_argument(
         "--out", default=os.path.join(os.path.dirname(__file__), "results", "pipeline.json")
     )
+    parser.add_argument("--S", type=int, default=None, help="sources (env ranks); default 2")
+    parser.add_argument("--T", type=int, default=None, help="chunks; default 64 (--quick: 16)")
+    parser.add_argument("--B", type=int, default=None, help="environments; default 64 (--quick: 16)")
+    parser.add_argument("--actor-ranks", type=int, default=4)
+    parser.add_argument("--micro-batch-size", type=int, default=256)
     args = parser.parse_args()
     S, T, B = (2, 16, 16) if args.quick else (2, 64, 64)
+    S, T, B = args.S or S, args.T or T, args.B or B
     repeats = 2 if args.quick else args.repeats
     plan = TrajectoryPlan(
         num_chunks=T,
         batch_size=B,
         num_env_ranks=S,
         mode="pipeline",
-        actor_ranks=4,
-        micro_batch_size=256,
+        actor_ranks=args.actor_ranks,
+        micro_batch_size=args.micro_batch_size,
     )
     parts = []
     for r in range(S):
@@ -114,6 +121,8 @@ def main():
             "T": T,
             "B": B,
             "samples": S * T * B,
+            "actor_ranks": args.actor_ranks,
+            "micro_batch_size": args.micro_batch_size,
             "in_bytes": nbytes(parts),
             "out_bytes": out_bytes,
         },

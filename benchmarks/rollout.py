@@ -1,7 +1,8 @@
 """The synchronous runner's collection overhead against a collector-free rollout.
 
-Both run the same jitted rollout of one training step: gymnax's Pendulum-v1 vmapped over
-``B`` environments, ``T`` chunks of ``K`` actions, an MLP policy (2 x 64, tanh) with a
+Both run the same jitted rollout of one training step: gymnax's Pendulum-v1 (or, with
+``--env jax-pendulum``, this file's own pure-JAX copy of its dynamics, for machines without
+gymnax) vmapped over ``B`` environments, ``T`` chunks of ``K`` actions, an MLP policy (2 x 64, tanh) with a
 value head, terminal inference per chunk. The runner (:func:`jaxtraj.runners.sync.collect`)
 inserts both halves of every chunk into the collector inside its ``lax.scan`` (state
 donated); the baseline (:func:`jaxtraj.runners.sync.rollout_stacked`) only stacks the
@@ -9,7 +10,8 @@ same parts as the scan's outputs. Timed: one training step each, median of inter
 repeats after compile; compile times separately. The runner's rollout-mode flush is
 reported alongside but is not part of the ratio.
 
-    python benchmarks/rollout.py [--quick]      (or: cd benchmarks && python rollout.py)
+    python benchmarks/rollout.py [--quick] [--B 256 --T 64 --K 4] [--env gymnax|jax-pendulum]
+                                 (or: cd benchmarks && python rollout.py)
 
 Writes ``benchmarks/results/rollout.json``.
 """
@@ -25,17 +27,71 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import gymnax  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from collect import machine  # noqa: E402
+from flax import struct  # noqa: E402
 
 import jaxtraj  # noqa: E402
 from jaxtraj import PolicyOutput, TrajectoryPlan  # noqa: E402
 from jaxtraj.runners import sync  # noqa: E402
 
 A, OBS, HIDDEN = 1, 3, 64
+
+
+@struct.dataclass
+class PendulumState:
+    theta: jax.Array
+    theta_dot: jax.Array
+    time: jax.Array
+
+
+class JaxPendulum:
+    """gymnax's Pendulum-v1 (gymnax 1.0's dynamics, reward, reset and 200-step time limit)
+    in gymnax's interface, auto-resetting, for machines without gymnax: ``step`` returns
+    ``(obs, state, reward, terminated, truncated, info)`` with the pre-reset observation in
+    ``info["final_observation"]``. Parameters are constants (``env_params`` is ``None``)."""
+
+    max_speed, max_torque, dt, g, m, length, max_steps = 8.0, 2.0, 0.05, 10.0, 1.0, 1.0, 200
+
+    @staticmethod
+    def _obs(st):
+        return jnp.stack([jnp.cos(st.theta), jnp.sin(st.theta), st.theta_dot])
+
+    def reset(self, key, params=None):
+        high = jnp.array([jnp.pi, 1.0])
+        x = jax.random.uniform(key, (2,), minval=-high, maxval=high)
+        st = PendulumState(x[0], x[1], jnp.zeros((), jnp.int32))
+        return self._obs(st), st
+
+    def step(self, key, st, action, params=None):
+        u = jnp.clip(action, -self.max_torque, self.max_torque).reshape(())
+        norm = (st.theta + jnp.pi) % (2 * jnp.pi) - jnp.pi
+        reward = -(norm**2 + 0.1 * st.theta_dot**2 + 0.001 * u**2)
+        acc = (3 * self.g / (2 * self.length) * jnp.sin(st.theta)
+               + 3.0 / (self.m * self.length**2) * u)
+        thdot = jnp.clip(st.theta_dot + acc * self.dt, -self.max_speed, self.max_speed)
+        nxt = PendulumState(st.theta + thdot * self.dt, thdot, st.time + 1)
+        terminated = jnp.zeros((), bool)
+        truncated = nxt.time >= self.max_steps
+        obs_st = self._obs(nxt)
+        obs_re, st_re = self.reset(jax.random.split(key)[1])
+        done = terminated | truncated
+        pick = lambda a, b: jax.tree.map(lambda x, y: jnp.where(done, x, y), a, b)
+        info = {"final_observation": obs_st}
+        return pick(obs_re, obs_st), pick(st_re, nxt), reward, terminated, truncated, info
+
+
+def make_env(name: str):
+    """``(env, env_params)`` for ``--env``."""
+    if name == "gymnax":
+        import gymnax
+
+        return gymnax.make("Pendulum-v1")
+    if name == "jax-pendulum":
+        return JaxPendulum(), None
+    raise SystemExit(f"--env must be gymnax or jax-pendulum, got {name!r}")
 
 
 def make_policy(K: int):
@@ -74,8 +130,8 @@ def timed(fn, *args):
     return out, time.perf_counter() - t0
 
 
-def bench(B: int, T: int, K: int, repeats: int) -> dict:
-    env, env_params = gymnax.make("Pendulum-v1")
+def bench(B: int, T: int, K: int, repeats: int, env_name: str = "gymnax") -> dict:
+    env, env_params = make_env(env_name)
     init, policy_fn, value_fn = make_policy(K)
     params = init(jax.random.PRNGKey(0))
     plan = TrajectoryPlan(num_chunks=T, batch_size=B)
@@ -117,6 +173,7 @@ def bench(B: int, T: int, K: int, repeats: int) -> dict:
     jaxtraj.raise_if_error(state)
     med = lambda xs: statistics.median(xs) * 1e3
     return {
+        **({} if env_name == "gymnax" else {"env": env_name}),
         "B": B,
         "T": T,
         "K": K,
@@ -144,12 +201,20 @@ def main():
     parser.add_argument(
         "--async-halves", type=int, default=None, help="asynchronous runner: halves (0: skip)"
     )
+    parser.add_argument("--B", type=int, default=None, help="environments; default 256 (--quick: 32)")
+    parser.add_argument("--T", type=int, default=None, help="chunks; default 64 (--quick: 16)")
+    parser.add_argument("--K", type=int, default=None, help="actions per chunk; default 4")
+    parser.add_argument(
+        "--env", default="gymnax", choices=["gymnax", "jax-pendulum"],
+        help="gymnax's Pendulum-v1, or this file's pure-JAX copy (no gymnax needed)",
+    )
     args = parser.parse_args()
     B, T, K = (32, 16, 4) if args.quick else (256, 64, 4)
+    B, T, K = args.B or B, args.T or T, args.K or K
     repeats = 10 if args.quick else args.repeats
     # gymnax's Pendulum broadcasts its [1] action against scalars: allow it explicitly.
     with jax.numpy_rank_promotion("allow"):
-        result = bench(B, T, K, repeats)
+        result = bench(B, T, K, repeats, args.env)
     report = {"benchmark": "rollout", "machine": machine(), "result": result}
     halves = (
         args.async_halves if args.async_halves is not None else (10_000 if args.quick else 100_000)
@@ -163,7 +228,10 @@ def main():
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
     r = result
-    print(f"sync runner vs collector-free rollout: B={B}, T={T}, K={K} ({r['env_steps']} steps)")
+    print(
+        f"sync runner vs collector-free rollout: B={B}, T={T}, K={K} ({r['env_steps']} steps), "
+        f"env {'gymnax Pendulum-v1' if args.env == 'gymnax' else args.env}"
+    )
     print(
         f"  machine: {report['machine']['processor']}, {report['machine']['cpu_count']} "
         f"cores, jax {report['machine']['jax']} on {report['machine']['backend']}"
