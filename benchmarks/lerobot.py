@@ -39,11 +39,17 @@ preset 12) on smooth synthetic frames (a disc moving over a shaded floor):
 - ``collect``: a lerobot-mode collector (the point mass of ``examples/export_lerobot.py``, 8
   environments, 8 chunks of 4 actions a step, a 96x96 camera) with the video writer against no
   writer: the training step's flush (the ``add`` that completes the step) and the time the
-  encoders need to drain at ``close()``;
+  encoders need to drain at ``close()``, the versions in alternating rounds (``--rounds``,
+  default 3; ``--part collect`` runs this alone); ``add_episodes`` timed per call, and how
+  often and how long it blocked on the encoder backlog (``max_pending_mb``: the default 512,
+  and 8, about one step's frames, to show the bound at work). The example's ``step_halves``
+  carries per-action observations (``EnvPart.action_obs``) with a camera per action, so each
+  frame shows its own action's observation: the figures before that change rendered the
+  chunk's observation only and are not comparable;
 - ``bytes_per_frame``: the export's mp4 bytes against LeRobot's way with the same settings (an
   mp4 per episode, concatenated without re-encoding: the sum of the episodes' files).
 
-    python benchmarks/lerobot.py [--quick] [--part all|parquet|video]
+    python benchmarks/lerobot.py [--quick] [--part all|parquet|video|collect] [--rounds N]
 
 Writes ``benchmarks/results/lerobot.json`` (``"quick": true`` in it after ``--quick``); a run of
 one part keeps the other part's results.
@@ -53,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import platform
 import shutil
@@ -362,8 +369,13 @@ def bench_export(repeats: int, workdir: Path) -> dict:
     return result
 
 
-def bench_collect(steps: int, workdir: Path) -> dict:
-    """The example's collector, camera on, with the video writer against no writer."""
+def bench_collect(steps: int, workdir: Path, rounds: int = 3) -> dict:
+    """The example's collector, camera on, with the video writer against no writer.
+
+    Every version runs ``rounds`` times, alternating (a fresh dataset each time); the flush
+    medians are over every timed step of every round. ``add_episodes`` is timed in each call,
+    and the writer counts the calls that waited for the encoder backlog (``max_pending_mb``).
+    """
     import random
     import sys
 
@@ -399,42 +411,99 @@ def bench_collect(steps: int, workdir: Path) -> dict:
         random.Random(step).shuffle(halves)
         all_halves.append(halves)
     features = jaxtraj.lerobot.features(plan, *examples)
-    result = {"envs": B, "chunks": T, "actions_per_chunk": K, "steps": steps}
+    result = {"envs": B, "chunks": T, "actions_per_chunk": K, "steps": steps, "rounds": rounds}
     result["caller_policy_reset_from"] = policy
+    # A step's frames of the camera: 8 envs x 32 actions x 96x96x3 bytes, about 7 MB.
     writers = {
         "no writer": lambda root: None,
         "video writer": lambda root: LeRobotWriter(root, fps=10, features=features),
         "video writer, encoder_threads=1": lambda root: LeRobotWriter(
             root, fps=10, features=features, encoder_threads=1
         ),
+        "video writer, max_pending_mb=8": lambda root: LeRobotWriter(
+            root, fps=10, features=features, max_pending_mb=8
+        ),
     }
-    for name, make in writers.items():
-        root = workdir / f"collect-{len(result)}"
-        writer = make(root)
-        collector = jaxtraj.TrajectoryCollector(
-            plan, *examples, writer=writer, tasks="reach the goal"
-        )
-        flush, step_times, frames = [], [], 0
-        for step, halves in enumerate(all_halves):  # step 0 warms up (compiles)
-            start = time.perf_counter()
-            for part in halves[:-1]:
-                collector.add(part)
-            last = time.perf_counter()
-            out = collector.add(halves[-1])
-            end = time.perf_counter()
-            if step:
-                flush.append(end - last)
-                step_times.append(end - start)
-                frames += sum(len(f["action"]) for _, eps in out for _, f in eps)
-        drain = timed(writer.close) if writer is not None else 0.0
+    # The writers are closed without TrajectoryCollector.end(): their warning about the
+    # running episodes' frames is expected here.
+    logging.getLogger("jaxtraj.lerobot.writer").setLevel(logging.ERROR)
+    runs: dict[str, list[dict]] = {name: [] for name in writers}
+    for round_ in range(rounds):
+        # Alternating rounds, the order rotated each round, so that the machine's drift (other
+        # sessions' load) hits every version alike.
+        names = list(writers)
+        names = names[round_ % len(names) :] + names[: round_ % len(names)]
+        for name in names:
+            root = workdir / f"collect-{round_}-{names.index(name)}-{len(runs[name])}"
+            writer = writers[name](root)
+            calls: list[float] = []
+            if writer is not None:
+                add = writer.add_episodes
+
+                def timed_add(episodes, tasks, add=add):
+                    start = time.perf_counter()
+                    try:
+                        return add(episodes, tasks)
+                    finally:
+                        calls.append(time.perf_counter() - start)
+
+                writer.add_episodes = timed_add
+            collector = jaxtraj.TrajectoryCollector(
+                plan, *examples, writer=writer, tasks="reach the goal"
+            )
+            flush, step_times, frames = [], [], 0
+            for step, halves in enumerate(all_halves):  # step 0 warms up (compiles)
+                start = time.perf_counter()
+                for part in halves[:-1]:
+                    collector.add(part)
+                last = time.perf_counter()
+                out = collector.add(halves[-1])
+                end = time.perf_counter()
+                if step:
+                    flush.append(end - last)
+                    step_times.append(end - start)
+                    frames += sum(len(f["action"]) for _, eps in out for _, f in eps)
+            drain = timed(writer.close) if writer is not None else 0.0
+            runs[name].append(
+                {
+                    "flush": flush,
+                    "step": step_times,
+                    "drain": drain,
+                    "frames": frames,
+                    "calls": calls,
+                    "blocked_calls": writer.blocked_calls if writer is not None else 0,
+                    "blocked_s": writer.blocked_s if writer is not None else 0.0,
+                }
+            )
+            del collector
+    for name, rs in runs.items():
+        flushes = [f for r in rs for f in r["flush"]]
+        calls = [c for r in rs for c in r["calls"]]
         result[name] = {
-            "flush_ms": 1e3 * statistics.median(flush),
-            "step_ms": 1e3 * statistics.median(step_times),
-            "drain_at_close_ms": 1e3 * drain,
-            "frames_written": frames,
+            "flush_ms": 1e3 * statistics.median(flushes),
+            "flush_ms_per_round": [1e3 * statistics.median(r["flush"]) for r in rs],
+            "flush_ms_p90": 1e3 * float(np.quantile(flushes, 0.9)),
+            "step_ms": 1e3 * statistics.median(f for r in rs for f in r["step"]),
+            "drain_at_close_ms": 1e3 * statistics.median(r["drain"] for r in rs),
+            "frames_written": rs[0]["frames"],
+            "add_episodes_calls": len(calls),
+            "add_episodes_ms_median": 1e3 * statistics.median(calls) if calls else 0.0,
+            "add_episodes_ms_max": 1e3 * max(calls) if calls else 0.0,
+            "blocked_calls": sum(r["blocked_calls"] for r in rs),
+            "blocked_ms_total": 1e3 * sum(r["blocked_s"] for r in rs),
         }
     result["flush_ratio"] = {
         name: result[name]["flush_ms"] / result["no writer"]["flush_ms"]
+        for name in writers
+        if name != "no writer"
+    }
+    result["flush_ratio_per_round"] = {
+        name: [
+            w / n
+            for w, n in zip(
+                result[name]["flush_ms_per_round"], result["no writer"]["flush_ms_per_round"]
+            )
+        ]
         for name in writers
         if name != "no writer"
     }
@@ -482,15 +551,22 @@ def print_video(v: dict) -> None:
     )
     b = e["bytes_per_frame"]
     print(f"bytes/frame: {b['jaxtraj']:.0f}, LeRobot's way {list(b.values())[1]:.0f}")
-    c = v["collect"]
-    print(f"collect flush: no writer {c['no writer']['flush_ms']:.1f} ms", end="")
+    print_collect(v["collect"])
+
+
+def print_collect(c: dict) -> None:
+    print(f"collect flush, medians of {c['rounds']} alternating rounds of {c['steps']} steps:")
+    print(f"  no writer {c['no writer']['flush_ms']:.1f} ms")
     for name, ratio in c["flush_ratio"].items():
+        r = c[name]
+        rounds = ", ".join(f"{x:.2f}x" for x in c["flush_ratio_per_round"][name])
         print(
-            f"; {name} {c[name]['flush_ms']:.1f} ms ({ratio:.2f}x), drain at close"
-            f" {c[name]['drain_at_close_ms']:.0f} ms",
-            end="",
+            f"  {name}: {r['flush_ms']:.1f} ms ({ratio:.2f}x; rounds {rounds}), drain at"
+            f" close {r['drain_at_close_ms']:.0f} ms; add_episodes {r['add_episodes_calls']}"
+            f" calls, median {r['add_episodes_ms_median']:.1f} ms, max"
+            f" {r['add_episodes_ms_max']:.1f} ms, blocked {r['blocked_calls']} times,"
+            f" {r['blocked_ms_total']:.0f} ms in all"
         )
-    print()
 
 
 def machine_info() -> dict:
@@ -512,7 +588,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer sizes, fewer repeats")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per size")
-    parser.add_argument("--part", choices=["all", "parquet", "video"], default="all")
+    parser.add_argument("--part", choices=["all", "parquet", "video", "collect"], default="all")
+    parser.add_argument("--rounds", type=int, default=3, help="collect: alternating rounds")
     args = parser.parse_args()
     sizes = QUICK_SIZES if args.quick else SIZES
     repeats = args.repeats or (5 if args.quick else 15)
@@ -529,6 +606,10 @@ def main() -> None:
             )
         if args.part in ("all", "video"):
             out["video"] = bench_video(args.quick, max(1, repeats // 5), workdir)
+        if args.part == "collect":
+            out.setdefault("video", {})["collect"] = bench_collect(
+                3 if args.quick else 8, workdir, args.rounds
+            )
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     out.update(benchmark="lerobot", quick=args.quick, machine=machine_info())
@@ -555,6 +636,8 @@ def main() -> None:
             )
     if args.part in ("all", "video"):
         print_video(out["video"])
+    if args.part == "collect":
+        print_collect(out["video"]["collect"])
     print(f"wrote {path}")
 
 

@@ -5,8 +5,8 @@ episode would take it past ``data_files_size_in_mb`` (measured, like LeRobot's a
 as uncompressed column bytes); then a new file starts. An episode is never split, so an episode
 larger than the limit gets a file of its own. A call appends by writing the current file again,
 its rows followed by the call's, under a hidden name, renamed over it at the commit: a call costs
-a read and a write of the current file, up to the cap (about 0.5 s a call near a 100 MB cap on
-the 2-core VM; with cameras in the committer thread, off the caller's path). Each camera's
+a read and a write of the current file, up to the cap (about 1.6 s a call near a 100 MB cap on
+the loaded 2-core VM; with cameras in the committer thread, off the caller's path). Each camera's
 current video file likewise goes on across calls (:func:`jaxtraj.lerobot.video.append`: its
 packets and the call's remuxed, not re-encoded, into a new hidden file) while the combined file
 stays within ``video_files_size_in_mb``. The episodes metadata, about 80 bytes per episode, is
