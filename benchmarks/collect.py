@@ -233,9 +233,11 @@ def block(items):
 def run_jaxtraj_add(parts, plan, repeats, storage="auto", device_parts=False):
     """``TrajectoryCollector.add`` per half, then the flush. ``storage`` is the collector's
     (``"auto"``, ``"host"``, ``"device"``); ``device_parts`` hands the halves over already on
-    the default device (one copy of the step's arrays, shared by every training step)."""
+    the default device (one copy of the step's arrays, shared by every training step; the
+    keys stay host metadata, as a service loop hands them over)."""
     if device_parts:
-        parts = jax.block_until_ready(jax.device_put(parts))
+        parts = [jax.device_put(p.replace(source=None)).replace(source=p.source) for p in parts]
+        jax.block_until_ready(parts)
     pol, env = examples(parts)
     c = jaxtraj.TrajectoryCollector(plan, pol, env, storage=storage)
     steps = iter(steps_of(parts, repeats + 2))

@@ -36,7 +36,7 @@
 #   REHEARSE_FROM  the Python whose installed packages the rehearsal links
 #   KEEP_REHEARSE_ENV=1  keep the rehearsal's environment (its path is printed)
 #
-# Exit status: 0 when every step ran or was skipped for a missing peer, 1 when a step
+# Exit status: 0 when every step ran or was skipped (a missing peer or file), 1 when a step
 # failed or timed out, 2 when there is no usable GPU (or no usable environment).
 
 set -uo pipefail
@@ -357,7 +357,7 @@ note "collect.py times no fresh-buffer flush next to the recycling one (jaxtraj_
 
 ran=$(grep -c $'\tok\t' "$WORK/steps.tsv" 2>/dev/null || true)
 skipped=$(grep -c $'\tskipped\t' "$WORK/steps.tsv" 2>/dev/null || true)
-say "done in $((SECONDS - START))s: $ran steps ran, $skipped skipped for a missing peer, ${#FAILED[@]} failed; files in $OUT_DIR: $(ls "$OUT_DIR" | tr '\n' ' ')"
+say "done in $((SECONDS - START))s: $ran steps ran, $skipped skipped (a missing peer or file), ${#FAILED[@]} failed; files in $OUT_DIR: $(ls "$OUT_DIR" | tr '\n' ' ')"
 if ((${#FAILED[@]})); then
     for f in "${FAILED[@]}"; do say "  FAILED: $f"; done
     finish 1
