@@ -8,8 +8,6 @@ written as a LeRobot dataset (:mod:`jaxtraj.lerobot`).
 Internal modules (``checks``, ``storage``, ``_forwarding``) may change without notice.
 """
 
-import importlib
-
 from jaxtraj.advantages import (
     discounted_returns,
     gae,
@@ -19,7 +17,7 @@ from jaxtraj.advantages import (
 )
 from jaxtraj.collector import TrajectoryCollector, stack_parts
 from jaxtraj.errors import CollectorError, ErrorCode, raise_if_error
-from jaxtraj.joiner import add_env, add_envs, add_policies, add_policy
+from jaxtraj.joiner import add_env, add_env_uniform, add_envs, add_policies, add_policy
 from jaxtraj.modes import pipeline, rollout
 from jaxtraj.modes.pipeline import MicroBatches
 from jaxtraj.plan import TrajectoryPlan
@@ -50,6 +48,8 @@ def __getattr__(name: str):
     """``jaxtraj.lerobot`` loads on first use: it needs pyarrow (the ``lerobot`` extra),
     which collection, training and the other output modes do not."""
     if name == "lerobot":
+        import importlib  # here, not at module level: no jaxtraj.importlib
+
         try:
             module = importlib.import_module("jaxtraj.lerobot")
         except ModuleNotFoundError as e:
@@ -64,7 +64,9 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), "lerobot"})
+    """The public names: ``__all__``, ``lerobot`` (loaded on first use) and ``__version__``;
+    the internal modules (``jaxtraj.checks``, ...) are not listed."""
+    return sorted({*__all__, "lerobot", "__version__"})
 
 
 # jaxtraj.lerobot is left out: a star import must not need the lerobot extra.
@@ -86,6 +88,7 @@ __all__ = [
     "TrajectorySource",
     "TrajectoryStep",
     "add_env",
+    "add_env_uniform",
     "add_envs",
     "add_policies",
     "add_policy",

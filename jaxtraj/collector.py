@@ -291,8 +291,25 @@ class TrajectoryCollector:
         c = self.mode.scope_index(name, self.mirror) if scope else (complete or [None])[0]
         if c is None or c not in complete:
             key = self.mode.describe(c or 0, self.mirror) if c is not None else None
-            raise CollectorError(key, ErrorCode.INCOMPLETE_SCOPE, f"scope {name!r}")
+            raise CollectorError(
+                key, ErrorCode.INCOMPLETE_SCOPE, f"scope {name!r}: {self._waiting_for(key)}"
+            )
         return self._flush(c)
+
+    def _waiting_for(self, key: tuple | None, shown: int = 3) -> str:
+        """What the scope ``key`` describes (``-1``: any) still waits for, cut short."""
+        left = [
+            m for m in self.missing()
+            if key is None or all(k < 0 or v == k for v, k in zip(m[0][1:4], key[1:4]))
+        ]
+        if not left:
+            return "nothing is missing: it was flushed already"
+        first = "; ".join(
+            f"{half} half of key {k} ({rows} row{'s' if rows != 1 else ''})"
+            for k, half, rows in left[:shown]
+        )
+        more = f"; and {len(left) - shown} more (collector.missing() lists them)"
+        return f"waits for {len(left)} halves: {first}{more if len(left) > shown else ''}"
 
     def _flush(self, c: int) -> Items:
         i = self.mode.state_index(c)
@@ -333,12 +350,11 @@ class TrajectoryCollector:
         unflushed = (m.received > 0) & ~m.flushed[None, :]
         partial = [self.sources[s] for s in np.flatnonzero(unflushed.any(axis=1))]
         if partial:
-            left = self.missing()
             raise CollectorError(
                 None,
                 ErrorCode.INCOMPLETE_SCOPE,
                 f"sources {partial} have a training step half collected: "
-                f"{len(left)} slots missing, first {left[:3]}",
+                f"{self._waiting_for(None)}",
             )
         out: Items = []
         for i, mode_state in enumerate(self._mode_states):

@@ -5,6 +5,8 @@ Pure functions in the manner of flashbax's ``add``: :func:`add_policy` and
 state; :func:`add_policies` / :func:`add_envs` write a stack of parts in one call. The
 state comes from :func:`jaxtraj.state.init`. On a stacked state (a leading source
 axis) each part is routed to its source's slice by ``(env_rank, stage_id)``.
+:func:`add_env_uniform` takes env halves that carry ``initial_transition`` on every
+chunk, so one ``lax.scan`` covers every chunk of an epoch, chunk zero included.
 
 Jit them with the state donated and an insert writes only the part's rows, in place,
 once: the checks read the key, the coverage masks and the few reward and value leaves;
@@ -28,7 +30,7 @@ import numpy as np
 from jax import lax
 
 from jaxtraj import checks
-from jaxtraj.errors import ErrorCode
+from jaxtraj.errors import CollectorError, ErrorCode
 from jaxtraj.plan import TrajectoryPlan
 from jaxtraj.state import CollectorState, record_error
 from jaxtraj.types import EnvPart, PolicyPart
@@ -126,8 +128,43 @@ def add_env(plan: TrajectoryPlan, state: CollectorState, part: EnvPart) -> Colle
     Chunk zero must carry ``initial_transition``; the last chunk must carry
     ``final_values`` when policy halves carry values, and ``next_obs`` with
     ``collect_transitions``. ``next_obs`` elsewhere is an optional override.
+    A ``lax.scan`` over chunks uses :func:`add_env_uniform` instead.
     """
+    return _add_env(plan, state, part, uniform=False)
+
+
+def add_env_uniform(plan: TrajectoryPlan, state: CollectorState, part: EnvPart) -> CollectorState:
+    """:func:`add_env` for env halves of one structure on every chunk, for a ``lax.scan``
+    over every chunk of an epoch, chunk zero included.
+
+    Every chunk's half carries ``initial_transition`` (and, if any chunk does,
+    ``final_values``); only chunk zero's ``initial_transition`` is read, the others'
+    are ignored (not rejected as ``UNEXPECTED_INITIAL_TRANSITION``). Everything else is
+    checked as :func:`add_env` checks it::
+
+        def chunk(state, t):
+            policy, env = halves(t)  # env carries initial_transition for every t
+            state = jaxtraj.add_policy(plan, state, policy)
+            return jaxtraj.add_env_uniform(plan, state, env), None
+
+        state, _ = lax.scan(chunk, state, jnp.arange(plan.num_chunks))
+
+    Raises:
+      CollectorError: ``STRUCTURE_MISMATCH`` (at trace time) for a half without
+        ``initial_transition``.
+    """
+    return _add_env(plan, state, part, uniform=True)
+
+
+def _add_env(plan: TrajectoryPlan, state: CollectorState, part: EnvPart, *, uniform: bool):
     layout = checks.env_structure(state, part)
+    if uniform and not layout.has_initial:
+        raise CollectorError(
+            None,
+            ErrorCode.STRUCTURE_MISMATCH,
+            "add_env_uniform takes env halves that carry initial_transition on every chunk "
+            "(only chunk zero's is read); use add_env for halves without it",
+        )
     rows, lead = layout.rows, state.lead
     rules, start, s, key = _route(plan, state, part, rows, state.env_rows)
     rules += checks.env_checks(
@@ -141,6 +178,8 @@ def add_env(plan: TrajectoryPlan, state: CollectorState, part: EnvPart) -> Colle
         needs_final=state.policy.output.prev_values is not None,
         cut=checks.cut_any(jnp, plan, part),
     )
+    if uniform:  # every chunk carries initial_transition; only chunk zero's is read
+        rules = [r for r in rules if r[1] != ErrorCode.UNEXPECTED_INITIAL_TRANSITION]
     rules.append((_nonfinite(plan, part), ErrorCode.NON_FINITE))
     code = checks.first_error(jnp, rules)
 
@@ -173,7 +212,12 @@ def add_env(plan: TrajectoryPlan, state: CollectorState, part: EnvPart) -> Colle
             out["next_rlt_given"] = _put(st.next_rlt_given, given, start)
         if layout.has_initial:
             at = start[:-3] + (key.epoch_id, start[-1])
-            out["initial"] = _put(st.initial, part.initial_transition.boundary(), at)
+            put = lambda buf: _put(buf, part.initial_transition.boundary(), at)
+            # uniform halves: chunk zero's writes (a cond over the small [E, B] flags only)
+            out["initial"] = (
+                lax.cond(key.chunk_id == 0, put, lambda buf: buf, st.initial)
+                if uniform else put(st.initial)
+            )
         return st.replace(**out)
 
     return _commit(state, code, key, s, write)

@@ -23,6 +23,7 @@ PUBLIC = [
     "TrajectorySource",
     "TrajectoryStep",
     "add_env",
+    "add_env_uniform",
     "add_envs",
     "add_policies",
     "add_policy",
@@ -47,8 +48,11 @@ def test_public_names():
     assert sorted(jaxtraj.__all__) == sorted(PUBLIC)
     for name in jaxtraj.__all__:
         assert getattr(jaxtraj, name) is not None
+    # dir() lists the public names only: no internal module, no importlib
+    assert dir(jaxtraj) == sorted([*PUBLIC, "lerobot", "__version__"])
+    assert not hasattr(jaxtraj, "importlib")
     # jaxtraj.lerobot loads on first use (it needs the lerobot extra): not star-imported
-    assert "lerobot" in dir(jaxtraj) and jaxtraj.lerobot.LeRobotWriter is not None
+    assert jaxtraj.lerobot.LeRobotWriter is not None
 
 
 def test_names_the_readme_and_examples_use():
