@@ -1,5 +1,8 @@
 """Benchmark pages from the results: ``benchmarks/results/*.json`` -> ``docs/benchmarks/``.
 
+The committed results files are read (``git ls-files``): commit a new results file, then
+run this.
+
 One Markdown page per results file (its tables, the machine and the date of the run) and
 PNG plots for the larger runs, plus an index. Nothing is narrated: every figure on a page
 is a number from the JSON, so it can be traced to the run that wrote it. The date is the
@@ -251,13 +254,25 @@ PAGES = {"gae": page_gae, "collect": page_collect, "host_env": page_host_env,
 SCRIPTS = {"rollout_async_memory": "rollout_async.py"}
 
 
+def results_files() -> list[Path]:
+    """The committed results files (git's view, so a run in progress or an uncommitted
+    file does not change the pages); every ``*.json`` outside a git checkout."""
+    try:
+        listed = subprocess.run(
+            ["git", "ls-files", "--", "benchmarks/results/*.json"],
+            cwd=ROOT, capture_output=True, text=True, timeout=30, check=True,
+        ).stdout.split()
+        paths = [ROOT / p for p in listed]
+    except (OSError, subprocess.SubprocessError):
+        paths = list(RESULTS.glob("*.json"))
+    return sorted(p for p in paths if p.exists() and not p.stem.endswith("_quick"))
+
+
 def build(out: Path) -> dict[str, str]:
     """Write the pages and plots to ``out``; return ``{file name: markdown}``."""
     out.mkdir(parents=True, exist_ok=True)
     pages, index = {}, []
-    for path in sorted(RESULTS.glob("*.json")):
-        if path.stem.endswith("_quick"):
-            continue
+    for path in results_files():
         d = json.loads(path.read_text())
         name = path.stem
         machine, date = machine_line(find_machine(d)), run_date(path, d)
