@@ -10,8 +10,10 @@ chunk, so one ``lax.scan`` covers every chunk of an epoch, chunk zero included.
 
 Jit them with the state donated and an insert writes only the part's rows, in place,
 once: the checks read the key, the coverage masks and the few reward and value leaves;
-the part's bytes are written under one ``lax.cond`` together with its coverage, so a
-rejected part reads and writes nothing of the buffers::
+the part's bytes and its coverage are written by one scatter each whose window a rejected
+part sends out of bounds, where it is dropped: no branch around the data (a ``lax.cond``
+made XLA copy a scanned part before writing it), nothing read back, and a rejected part
+writes nothing of the buffers::
 
     add = jax.jit(jaxtraj.add_policy, static_argnums=0, donate_argnums=1)
     state = add(plan, state, part)
@@ -38,20 +40,36 @@ from jaxtraj.types import EnvPart, PolicyPart
 PyTree = Any
 
 
-def _put(buffer: PyTree, data: PyTree, start: tuple) -> PyTree:
+def _put(buffer: PyTree, data: PyTree, start: tuple, ok: Any = None) -> PyTree:
     """Write ``data`` (leaves ``[rows, ...]``) at ``start``: one pass over the part.
 
-    ``start`` indexes the leading axes, ending with the row offset.
+    ``start`` indexes the leading axes, ending with the row offset. With ``ok`` (a traced
+    bool), a false ``ok`` writes nothing: each leaf's write is one scatter of the part's
+    window whose first index is sent out of bounds, where XLA drops it (no branch, no
+    copy of the operand, nothing read back; on the CPU it compiles to the same in-place
+    update as a ``dynamic_update_slice``).
     """
-
     # Indices of one dtype, int32 like the key's (Python ints would be int64 under
     # jax_enable_x64, beside int32 key fields).
     at = tuple(i.astype(jnp.int32) if hasattr(i, "astype") else np.int32(i) for i in start)
+    n = len(at)
 
     def one(buf, x):
         x = jnp.asarray(x, buf.dtype)
-        x = x.reshape((1,) * (len(start) - 1) + x.shape)
-        return lax.dynamic_update_slice(buf, x, at + (np.int32(0),) * (x.ndim - len(start)))
+        window = x.reshape((1,) * (n - 1) + x.shape)
+        if ok is None:
+            return lax.dynamic_update_slice(buf, window, at + (np.int32(0),) * (x.ndim - 1))
+        first = jnp.where(ok, at[0], np.int32(buf.shape[0]))  # out of bounds: dropped
+        index = jnp.stack((first,) + at[1:])[None]
+        dims = lax.ScatterDimensionNumbers(
+            update_window_dims=tuple(range(1, buf.ndim + 1)),
+            inserted_window_dims=(),
+            scatter_dims_to_operand_dims=tuple(range(n)),
+        )
+        return lax.scatter(
+            buf, index, window[None], dims, indices_are_sorted=True, unique_indices=True,
+            mode=lax.GatherScatterMode.FILL_OR_DROP,
+        )
 
     return jax.tree.map(one, buffer, data)
 
@@ -90,9 +108,9 @@ def _route(plan, state, part, rows, rows_mask):
 
 
 def _commit(state: CollectorState, code: jax.Array, key, s, write) -> CollectorState:
-    """Apply ``write`` to the state if ``code`` is OK, else nothing; record the code."""
-    state = lax.cond(code == 0, write, lambda st: st, state)
-    return record_error(state, code, key, s)
+    """``write(state, ok)`` with ``ok = code == 0`` (its writes are dropped when not ok);
+    record the code."""
+    return record_error(write(state, code == 0), code, key, s)
 
 
 def add_policy(plan: TrajectoryPlan, state: CollectorState, part: PolicyPart) -> CollectorState:
@@ -113,10 +131,10 @@ def add_policy(plan: TrajectoryPlan, state: CollectorState, part: PolicyPart) ->
     rules.append((_nonfinite(plan, part), ErrorCode.NON_FINITE))
     code = checks.first_error(jnp, rules)
 
-    def write(st):
+    def write(st, ok):
         return st.replace(
-            policy=_put(st.policy, part.replace(source=None), start),
-            policy_rows=_put(st.policy_rows, jnp.ones((rows,), bool), start),
+            policy=_put(st.policy, part.replace(source=None), start, ok),
+            policy_rows=_put(st.policy_rows, jnp.ones((rows,), bool), start, ok),
         )
 
     return _commit(state, code, key, s, write)
@@ -199,25 +217,22 @@ def _add_env(plan: TrajectoryPlan, state: CollectorState, part: EnvPart, *, unif
         action_obs=part.action_obs if env.action_obs is not None else None,
     )
 
-    def write(st):
+    def write(st, ok):
         out = dict(
-            env=_put(st.env, written, start),
-            env_rows=_put(st.env_rows, jnp.ones((rows,), bool), start),
+            env=_put(st.env, written, start, ok),
+            env_rows=_put(st.env_rows, jnp.ones((rows,), bool), start, ok),
         )
         if st.next_obs_given is not None:
             given = jnp.full((rows,), layout.has_next, bool)
-            out["next_obs_given"] = _put(st.next_obs_given, given, start)
+            out["next_obs_given"] = _put(st.next_obs_given, given, start, ok)
         if st.next_rlt_given is not None:
             given = jnp.full((rows,), layout.has_rlt, bool)
-            out["next_rlt_given"] = _put(st.next_rlt_given, given, start)
+            out["next_rlt_given"] = _put(st.next_rlt_given, given, start, ok)
         if layout.has_initial:
             at = start[:-3] + (key.epoch_id, start[-1])
-            put = lambda buf: _put(buf, part.initial_transition.boundary(), at)
-            # uniform halves: chunk zero's writes (a cond over the small [E, B] flags only)
-            out["initial"] = (
-                lax.cond(key.chunk_id == 0, put, lambda buf: buf, st.initial)
-                if uniform else put(st.initial)
-            )
+            # uniform halves: only chunk zero's is written (the others' are dropped)
+            first = (key.chunk_id == 0) if uniform else True
+            out["initial"] = _put(st.initial, part.initial_transition.boundary(), at, ok & first)
         return st.replace(**out)
 
     return _commit(state, code, key, s, write)

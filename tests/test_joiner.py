@@ -4,6 +4,8 @@ over sources, one per device, runs in its own process: scripts/multidevice_check
 
 from __future__ import annotations
 
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -120,3 +122,78 @@ def test_zero_row_fragment_is_a_no_op():
     traj, state = jaxtraj.rollout.flush(PLAN, state)
     assert_same(traj, reference(0))
     jaxtraj.raise_if_error(state)
+
+
+def _top_level_instructions(hlo: str) -> list[str]:
+    """The instructions of a compiled HLO module outside fused computations (what XLA
+    materialises in memory), one line each."""
+    blocks, name, body = {}, None, []
+    for line in hlo.splitlines():
+        if line.endswith("{") and not line.startswith(" "):
+            name = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%")
+            body = blocks.setdefault(name, [])
+        elif line.startswith("}"):
+            name = None
+        elif name is not None:
+            body.append(line.strip())
+    fused = {
+        c.lstrip("%")
+        for b in blocks.values()
+        for ln in b
+        if " fusion(" in ln
+        for c in ln.split("calls=")[1:2]
+        for c in [c.split(",")[0].split()[0]]
+    }
+    return [ln for n, b in blocks.items() if n not in fused for ln in b]
+
+
+def test_an_insert_under_scan_copies_no_operand_outside_its_write():
+    """One write per byte under jit: a scan of add_policy + add_env over the chunks
+    compiles to in-place writes of the parts' rows, with no conditional around them and no
+    materialised copy of a part (a lax.cond around the write made XLA copy the scanned
+    slice, the whole image, before writing it)."""
+    B, H = 4, 16
+    plan = dataclasses.replace(PLAN, num_chunks=3, num_epochs=1, batch_size=B)
+    rng = np.random.default_rng(0)
+
+    def halves(t):
+        p = policy_part(t, rows=B).replace(
+            obs={
+                "image": rng.integers(0, 255, (B, H, H, 3), dtype=np.uint8),
+                "state": np.zeros((B, 5), np.float32),
+            }
+        )
+        e = env_part(t, rows=B)
+        return p, e.replace(
+            initial_transition=env_part(0, rows=B).initial_transition,
+            final_values=np.zeros((B,), np.float32),
+        )
+
+    parts = [halves(t) for t in range(plan.num_chunks)]
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *parts)
+    state = jaxtraj.init(plan, *parts[0])
+
+    def scan(st, stacked):
+        def body(st, x):
+            st = jaxtraj.add_policy(plan, st, x[0])
+            return jaxtraj.add_env_uniform(plan, st, x[1]), None
+
+        return jax.lax.scan(body, st, stacked)[0]
+
+    fn = jax.jit(scan, donate_argnums=0)
+    hlo = fn.lower(state, stacked).compile().as_text()
+    top = _top_level_instructions(hlo)
+    part_image = f"u8[{B},{H},{H},3]"
+    assert not [ln for ln in top if "conditional(" in ln], "a conditional around the writes"
+    makes = (" fusion(", " copy(", " dynamic-slice(", " copy-start(")  # new memory, not aliases
+    copied = [
+        ln
+        for ln in top
+        if any(f"= {shape}" in ln for shape in (part_image, f"u8[1,{B},{H},{H},3]"))
+        and any(op in ln for op in makes)
+    ]
+    assert not copied, copied  # no materialised copy of a part's image
+    out = fn(state, stacked)  # and the writes happened, in place
+    jaxtraj.raise_if_error(out)
+    written = np.asarray(out.policy.obs["image"])[0, 0]  # source 0 (env rank 0), epoch 0
+    np.testing.assert_array_equal(written, stacked[0].obs["image"])
