@@ -387,3 +387,22 @@ def test_end_refuses_while_a_step_is_half_collected():
         c.add(p)
     assert c.end()  # the step complete: the running episodes are written
     assert len(writer.episodes) > written
+
+
+def test_per_action_observations_of_the_wrong_k_shape_or_dtype_name_the_field():
+    c = jaxtraj.TrajectoryCollector(LR, policy_part(0), env_part(0, per_action=True))
+    good = env_part(1, per_action=True)
+    obs = good.action_obs
+    bad = {
+        "K": {**obs, "state": obs["state"][:, :1]},  # one action's observation, K = 2
+        "shape": {**obs, "state": obs["state"][..., :4]},
+        "dtype": {**obs, "image": obs["image"].astype(np.float32)},
+        "missing": None,  # the plan's example carries them: every half must
+    }
+    field = {"K": "action_obs['state']", "shape": "action_obs['state']",
+             "dtype": "action_obs['image']", "missing": "action_obs"}
+    for what, value in bad.items():
+        with pytest.raises(CollectorError, match=field[what].replace("[", r"\[")) as info:
+            c.add(good.replace(action_obs=value))
+        assert info.value.code == ErrorCode.STRUCTURE_MISMATCH, what
+    assert c.add(good) == []  # nothing changed: the right half still goes in

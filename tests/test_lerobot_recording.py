@@ -231,3 +231,41 @@ def test_every_frame_shows_what_the_robot_saw_and_did(tmp_path, mode):
         got = video.decode(path)[start : start + len(rows)].astype(np.int16)
         want = np.array([pixel(int(state[i, 0]), int(state[i, 1])) for i in rows], np.int16)
         assert np.abs(got - want[:, None, None, None]).max() <= 3, ep
+
+
+def test_lerobot_loads_the_recording_frame_by_frame(tmp_path, monkeypatch):
+    """LeRobot 0.6.1's own loader (offline, pyav backend) reads the recording: every
+    frame's state, action, reward, flags, success and camera image as recorded (skipped
+    where LeRobot is not installed: docs/lerobot.md says how to run it)."""
+    import warnings
+
+    from gymnasium.vector import AutoresetMode
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lerobot_dataset = pytest.importorskip("lerobot.datasets.lerobot_dataset")
+    root = tmp_path / "ds"
+    executed, _ = record(root, AutoresetMode.NEXT_STEP)
+    data, meta, info = read(root)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ds = lerobot_dataset.LeRobotDataset(
+            "local/jaxtraj_recording", root=root, video_backend="pyav"
+        )
+        assert len(ds) == info["total_frames"] == RANKS * STEPS * T * K * B
+        assert ds.num_episodes == info["total_episodes"]
+        for i in range(len(ds)):
+            item = ds[i]
+            state = np.asarray(item["observation.state"], np.float64)
+            c, f = int(round(state[0])), int(round(state[1]))
+            assert int(item["frame_index"]) == f  # each episode from its own frame 0
+            np.testing.assert_allclose(float(item["next.reward"]), 100 * c + f)
+            taken, by_human = executed[(c, f)]
+            np.testing.assert_allclose(np.asarray(item["action"]), taken, rtol=1e-6)
+            assert bool(item["intervention"]) == by_human
+            image = (np.asarray(item["observation.images.top"]) * 255).round()
+            assert np.abs(image - pixel(c, f)).max() <= 3, (i, c, f)
+            for flag in ("next.done", "next.truncated", "next.success"):
+                assert bool(item[flag]) == bool(np.asarray(data[flag][i]).reshape(-1)[0]), flag
