@@ -222,9 +222,11 @@ class AsyncRunner:
         self._rng_steps = {}
         per_env = n * self.plan.num_epochs * self.plan.num_chunks
         total = 2 * len(self.envs) * per_env
-        # Requests the policy worker serves: one per chunk, plus (non-pipelined) each
-        # env's last chunk's terminal request, or (pipelined) one per chunk's env half.
-        requests = len(self.envs) * (2 * per_env if self.pipelined else per_env + 1)
+        # Requests the policy worker serves: one per chunk; with terminal inference also
+        # (non-pipelined) each env's last chunk's terminal request, or (pipelined) one per
+        # chunk's env half. Without it env workers publish their halves themselves.
+        terminal = (per_env if self.pipelined else 1) if self.value_fn is not None else 0
+        requests = len(self.envs) * (per_env + terminal)
         self._threads = [
             threading.Thread(
                 target=self._guard,
@@ -359,8 +361,10 @@ class AsyncRunner:
     def _env_worker(self, i: int, ctx: dict) -> None:
         """Env rank ``env_ranks[i]``: request each chunk's actions, execute them, and hand
         the env half (with what terminal inference needs) to the policy worker, which
-        completes and publishes it: the one producer of the parts, as in the seed."""
+        completes and publishes it, as in the seed; without a ``value_fn`` there is
+        nothing to complete and the env worker publishes it."""
         name, env, rank = f"env_worker_{self.env_ranks[i]}", self.envs[i], self.env_ranks[i]
+        rand = random.Random(self.seed * 7919 + 2 * i + 1)  # its parts' transport delays
         count = self._run_steps * self.plan.num_epochs * self.plan.num_chunks
         key = ctx["key"] = self._key(rank, 0)
         if self._carry[i] is None:
@@ -389,6 +393,9 @@ class AsyncRunner:
             self._check(part, key)
             obs, prev = out.obs, out.transition
             self._carry[i] = (obs, prev)
+            if self.value_fn is None:  # no terminal inference to run: publish it now
+                self._publish(name, part, rand)
+                continue
             pending = (name, out, part)
             if self.pipelined:
                 self._put(self._requests, (i, None, None, pending), "requests")
@@ -401,9 +408,10 @@ class AsyncRunner:
         the env worker that produced it."""
         worker, out, part = pending
         ctx["key"] = part.source.key
-        part = complete_env_part(self.plan, self._layout, part, out, self.value_fn, params)
-        self._check(part, part.source.key)
-        self._publish(worker, part, rand)
+        done = complete_env_part(self.plan, self._layout, part, out, self.value_fn, params)
+        if done is not part:  # final values added: check them (the env worker checked the rest)
+            self._check(done, done.source.key)
+        self._publish(worker, done, rand)
 
     def _policy_worker(self, count: int, ctx: dict) -> None:
         rand = random.Random(self.seed * 7919)
