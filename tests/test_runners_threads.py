@@ -37,6 +37,7 @@ class PointEnv:
         self.rank, self.delay_s, self.fail_at, self.bad_obs_at = rank, delay_s, fail_at, bad_obs_at
         self.rand = random.Random(rank)
         self.log, self.critic, self.resets = log, critic, 0
+        self.final_log = {}  # key -> the observation each env ended the chunk on
 
     def reset(self):
         self.resets += 1
@@ -52,6 +53,7 @@ class PointEnv:
             self.state, jnp.asarray(actions), key_rng(SEED + 1, key)
         )
         obs = {"state": np.asarray(ex.observe(self.state))}
+        self.final_log[key.as_tuple()] = np.asarray(final_obs)
         if self.bad_obs_at is not None and key.as_tuple() == self.bad_obs_at:
             obs = {"state": np.zeros((B, ex.OBS + 1), np.float32)}
         if self.log is not None:
@@ -428,3 +430,26 @@ def test_nan_reward_from_an_env_is_non_finite_naming_the_env_worker_and_key():
     missing = {(k, h) for k, h, _ in collector.missing()}
     assert not {k for k, _ in missing if k[2] == 1 and k[1:] < bad[1:]}
     assert (bad, "env") in missing
+
+
+def test_collect_transitions_take_the_observation_each_episode_ended_on():
+    """With collect_transitions, every chunk's next state comes from EnvStep.final_obs: the
+    observation an episode ended on where one ended, the next observation elsewhere (an
+    epoch's last chunk included, whether or not an episode ended in it)."""
+    envs = [PointEnv(r, critic=False) for r in range(RANKS)]
+    runner = AsyncRunner(
+        make_collector(collect_transitions=True), envs, policy_fn, PARAMS,
+        value_fn=value_fn, num_steps=2, seed=SEED,
+    )
+    trajs = [tr for _, tr in runner.run()]
+    assert len(trajs) == 2 * RANKS
+    ended_somewhere = False
+    for tr in trajs:
+        s, r = int(tr.step_id), int(tr.env_rank)
+        done = np.asarray(tr.dones)[:, 1:].reshape(E, T, B, -1).any(-1)
+        for e in range(E):
+            for t in range(T):
+                want = envs[r].final_log[(s, e, r, 0, t)]
+                np.testing.assert_array_equal(np.asarray(tr.next_obs["state"])[e, t], want)
+                ended_somewhere |= bool(done[e, t].any())
+    assert ended_somewhere  # the pre-reset observation was needed somewhere

@@ -179,10 +179,10 @@ def env_part(
         initial = flags.boundary()
     override = out.next_obs if out.next_obs is not None else next_obs
     if out.next_obs is None and out.final_obs is not None and plan.collect_transitions:
-        ended = _ended_rows(out.transition)
-        if ended is not None and ended.any():  # those rows' next state: where they ended
-            base = override if override is not None else out.obs
-            override = _where_rows(ended, out.final_obs, base)
+        # Every row's next state: where its episode ended, the observation it ended on;
+        # elsewhere final_obs is the next observation itself. (Every chunk carries it,
+        # so an epoch's last chunk does too, whether or not an episode ended in it.)
+        override = out.final_obs
     return EnvPart(
         source=TrajectorySource(key, plan.batch_size, 0),
         transition=out.transition,
@@ -202,14 +202,6 @@ def _ended_rows(transition: EnvTransition) -> np.ndarray | None:
         return None
     done = np.asarray(done)
     return done.reshape(done.shape[0], -1).any(axis=1) if done.ndim > 1 else done.astype(bool)
-
-
-def _where_rows(rows: np.ndarray, a: PyTree, b: PyTree) -> PyTree:
-    def pick(x, y):
-        x, y = np.asarray(x), np.asarray(y)
-        return np.where(rows.reshape(rows.shape + (1,) * (x.ndim - 1)), x, y)
-
-    return jax.tree.map(pick, a, b)
 
 
 def needs_final_values(plan: TrajectoryPlan, layout: Any, part: EnvPart) -> bool:
