@@ -260,6 +260,12 @@ def test_env_failure_stops_cleanly_names_worker_and_key():
     missing_rank1 = [k for k, _, _ in collector.missing() if k[2] == 1]
     assert (1, 0, 1, 0, 0) not in missing_rank1  # chunk 0 of step 1 stayed collected
     assert fail in missing_rank1
+    # Its environments are mid-step, out of step with the collector: it refuses to go on
+    # (a second run would re-send step 1's first halves), naming the failure; nothing changes.
+    before = collector.missing()
+    with pytest.raises(RuntimeError, match="last run failed.*env_worker_1") as again:
+        runner.run()
+    assert "new runner" in str(again.value) and collector.missing() == before
 
 
 def test_wrong_env_observation_shape_names_env_worker():

@@ -170,6 +170,7 @@ class AsyncRunner:
         # Per env: (observation, last chunk's transition) where the last run left it.
         self._carry: list[tuple[PyTree, Any] | None] = [None] * len(self.envs)
         self._rng_steps: dict[int, dict] = {}  # step_id -> PRNG key by key tuple
+        self._broken: str | None = None  # the failure that ended the last run, if any
 
     # -- public ----------------------------------------------------------------------
 
@@ -210,14 +211,25 @@ class AsyncRunner:
         Raises:
           RunnerError: a worker (or the collector, on a rejected part) failed; all
             threads are stopped and joined first. What was collected stays in the
-            collector.
+            collector. The runner cannot run again after it (its environments are
+            mid-step): a later call raises ``RuntimeError`` saying so.
         """
         n = self.num_steps if num_steps is None else num_steps
         if n < 1:
             raise ValueError(f"num_steps must be >= 1, got {n}")
+        if self._broken is not None:
+            raise RuntimeError(
+                f"this runner's last run failed ({self._broken}): its environments are "
+                "mid-step, out of step with the collector, so it cannot continue. What was "
+                "collected is in the collector (collector.missing() lists what the step "
+                "waits for); build a new runner, and a new collector or a restored checkpoint"
+            )
         self._run_steps = n
         self._stop.clear()
         self._failure = None
+        # Fresh queues: nothing of an earlier run is served or executed in this one.
+        self._requests, self._parts = queue.SimpleQueue(), queue.Queue(self._parts.maxsize)
+        self._replies = [queue.SimpleQueue() for _ in self.envs]
         self._consumer = consumer = Consumer(self.collector, self.on_flush, self.output_queue)
         self._rng_steps = {}
         per_env = n * self.plan.num_epochs * self.plan.num_chunks
@@ -279,6 +291,7 @@ class AsyncRunner:
         if self._failure is not None:
             self._drain()
             worker, key, exc = self._failure
+            self._broken = f"{worker} at key {key}: {type(exc).__name__}"
             if isinstance(exc, KeyboardInterrupt):
                 raise exc
             raise RunnerError(worker, key, exc, self.delivered) from exc
