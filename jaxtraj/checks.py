@@ -162,7 +162,10 @@ def check_key_dtypes(source: Any, key: Any = None) -> None:
             )
 
 
-def expert_half(plan: TrajectoryPlan, state: Any, part: PolicyPart, xp: Any, key: Any = None):
+def expert_half(
+    plan: TrajectoryPlan, state: Any, part: PolicyPart, xp: Any, key: Any = None,
+    stacked: bool = False,
+):
     """A policy half that lacks output fields the buffers hold (an expert's or a
     teleoperator's: not inferred): zero-filled in lerobot mode, which records what was
     executed; refused in the modes that train on log-probabilities and values."""
@@ -177,7 +180,7 @@ def expert_half(plan: TrajectoryPlan, state: Any, part: PolicyPart, xp: Any, key
             f"teleoperator's, not inferred) is taken in lerobot mode only; {plan.mode} mode "
             "trains on them",
         )
-    return part.as_expert(state.policy.output, state.lead, xp)
+    return part.as_expert(state.policy.output, state.lead, xp, stacked)
 
 
 def policy_structure(state: Any, part: PolicyPart, key: Any = None) -> Layout:

@@ -133,7 +133,7 @@ class TrajectoryCollector:
         key = part.source.key.as_tuple() if hasattr(part, "source") else None
         return self._checks.structure(self._admit(part), False, key)
 
-    def _admit(self, part: Any) -> Any:
+    def _admit(self, part: Any, stacked: bool = False) -> Any:
         """The part as the buffers hold it: per-action observations dropped where they
         are not retained; an expert's policy half (no log-probabilities, values, ...)
         zero-filled in lerobot mode, refused in the others (``STRUCTURE_MISMATCH``)."""
@@ -145,8 +145,9 @@ class TrajectoryCollector:
             out = part.output
             for name in self._outputs:
                 if getattr(out, name) is None:
-                    key = part.source.key.as_tuple()
-                    return checks.expert_half(self.plan, self._checks.layout, part, np, key)
+                    key = None if stacked else part.source.key.as_tuple()
+                    lay = self._checks.layout
+                    return checks.expert_half(self.plan, lay, part, np, key, stacked)
         return part
 
     def current_step(self, env_rank: int = 0, stage_id: int = 0) -> int:
@@ -179,6 +180,7 @@ class TrajectoryCollector:
         for i, st in enumerate(tree["states"]):
             self._store.load(i, st)
         self._mode_states = [jax.device_put(x) for x in tree["mode"]]
+        self.mode.restored(self._mode_states)
 
     # -- inserts --------------------------------------------------------------------------
 
@@ -222,7 +224,7 @@ class TrajectoryCollector:
         inserted.
         """
         if isinstance(parts, (PolicyPart, EnvPart)):
-            return self._add_stacked([self._admit(parts)])
+            return self._add_stacked([self._admit(parts, stacked=True)])
         parts = [self._admit(p) for p in parts]
         if not parts:
             return []
@@ -346,6 +348,14 @@ class TrajectoryCollector:
             but is not complete (its frames would be lost); nothing is written. Complete
             it (``missing()`` says what it waits for), then call again.
         """
+        complete = self.ready()
+        if complete:  # auto_flush=False: complete scopes wait for flush()
+            raise CollectorError(
+                None,
+                ErrorCode.INCOMPLETE_SCOPE,
+                f"scopes {complete} are complete but not flushed (auto_flush=False): "
+                "flush() them before end()",
+            )
         m = self.mirror  # halves received in epochs not flushed yet: they would be lost
         unflushed = (m.received > 0) & ~m.flushed[None, :]
         partial = [self.sources[s] for s in np.flatnonzero(unflushed.any(axis=1))]

@@ -225,12 +225,15 @@ class PolicyPart(_Fragmentable):
             if getattr(out, f.name) is None and getattr(layout, f.name) is not None
         ]
 
-    def as_expert(self, layout: PolicyOutput, lead: int, xp: Any = np) -> PolicyPart:
+    def as_expert(
+        self, layout: PolicyOutput, lead: int, xp: Any = np, stacked: bool = False
+    ) -> PolicyPart:
         """This half with the output fields it lacks (:meth:`missing_outputs`) filled with
         zeros shaped like ``layout``'s rows (``lead`` leading buffer axes before them):
-        how lerobot mode stores an expert's half. ``xp``: numpy or ``jax.numpy``."""
-        rows = np.shape(self.output.actions)[0]
-        zeros = lambda b: xp.zeros((rows,) + tuple(b.shape[lead + 1 :]), b.dtype)
+        how lerobot mode stores an expert's half. ``xp``: numpy or ``jax.numpy``;
+        ``stacked``: a stack of halves (a leading axis on every leaf)."""
+        rows = tuple(np.shape(self.output.actions)[: 2 if stacked else 1])
+        zeros = lambda b: xp.zeros(rows + tuple(b.shape[lead + 1 :]), b.dtype)
         fill = {n: jax.tree.map(zeros, getattr(layout, n)) for n in self.missing_outputs(layout)}
         return self.replace(output=self.output.replace(**fill))
 

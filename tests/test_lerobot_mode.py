@@ -406,3 +406,38 @@ def test_per_action_observations_of_the_wrong_k_shape_or_dtype_name_the_field():
             c.add(good.replace(action_obs=value))
         assert info.value.code == ErrorCode.STRUCTURE_MISMATCH, what
     assert c.add(good) == []  # nothing changed: the right half still goes in
+
+
+def test_a_stacked_expert_half_and_end_and_restore_bookkeeping():
+    """A stack of expert halves through add_many is zero-filled like one (found by review);
+    end() with complete but unflushed scopes (auto_flush=False) says to flush them; a
+    collector restored from a state_dict tells its writer how many running frames it has."""
+    import jax
+
+    expert = lambda p: p.replace(output=jaxtraj.PolicyOutput(actions=p.output.actions))  # noqa: E731
+    example = env_part(0, per_action=True)
+    c = jaxtraj.TrajectoryCollector(LR, policy_part(0), example)
+    policies = [expert(p) for p in all_parts(per_action=True) if isinstance(p, jaxtraj.PolicyPart)]
+    stacked = jax.tree.map(lambda *xs: np.stack(xs), *policies)
+    assert c.add_many(stacked) == []
+    assert not [k for k, half, _ in c.missing() if half == "policy"]  # every policy half in
+
+    c = jaxtraj.TrajectoryCollector(LR, policy_part(0), example, auto_flush=False)
+    for p in all_parts(per_action=True):
+        c.add(p)
+    with pytest.raises(CollectorError, match=r"complete but not flushed.*flush\(\)"):
+        c.end()
+    c.flush()
+    assert c.end()
+
+    class Counting(ListWriter):
+        running_frames = 0
+
+    source = jaxtraj.TrajectoryCollector(LR, policy_part(0), example)
+    for p in all_parts(per_action=True):
+        source.add(p)
+    running = int(np.asarray(source.mode_states[0].length).sum())
+    writer = Counting()
+    restored = jaxtraj.TrajectoryCollector(LR, policy_part(0), example, writer=writer)
+    restored.load_state_dict(source.state_dict())
+    assert writer.running_frames == running > 0

@@ -177,6 +177,12 @@ class LeRobot(PerSource):
         self._count(state_index, 0)
         return ([(self.plan.queue_key, done)] if done else []), ep_lib.cleared(mode_state)
 
+    def restored(self, mode_states: list) -> None:
+        """After ``load_state_dict``: the running episodes' frames, counted again (what the
+        writer's ``close()`` reports as unwritten)."""
+        for i, episodes in enumerate(mode_states):
+            self._count(i, int(np.asarray(episodes.length).sum()))
+
     def _count(self, state_index: int, frames: int) -> None:
         """Tell the writer how many frames of running episodes it has not received."""
         running = self._books["running"]

@@ -440,6 +440,9 @@ class Pipeline(Stacked):
         """Nothing runs between epochs: nothing to hand over."""
         return [], mode_state
 
+    def restored(self, mode_states: list) -> None:
+        """After ``load_state_dict``: no host bookkeeping to rebuild."""
+
     def scopes(self, mirror) -> list[int]:
         done = mirror.complete().all(axis=0) & ~mirror.flushed
         return [int(e) for e in np.flatnonzero(done)]

@@ -137,6 +137,9 @@ class Rollout(PerSource):
         """Nothing runs between training steps: nothing to hand over."""
         return [], mode_state
 
+    def restored(self, mode_states: list) -> None:
+        """After ``load_state_dict``: no host bookkeeping to rebuild."""
+
     def scopes(self, mirror) -> list[int]:
         return [int(s) for s in np.flatnonzero(mirror.complete().all(axis=1))]
 
