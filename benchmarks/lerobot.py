@@ -569,6 +569,14 @@ def print_collect(c: dict) -> None:
         )
 
 
+def _version(module: str) -> str | None:
+    """A module's version, or None where it is not installed (PyAV for --part parquet)."""
+    try:
+        return __import__(module).__version__
+    except ImportError:
+        return None
+
+
 def machine_info() -> dict:
     return {
         "platform": platform.platform(),
@@ -577,7 +585,7 @@ def machine_info() -> dict:
         "python": platform.python_version(),
         "numpy": np.__version__,
         "pyarrow": pa.__version__,
-        "av": __import__("av").__version__,
+        "av": _version("av"),
         "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE"),
         # Other work on the machine skews the timings, the threaded statistics most of all.
         "load_average_1m": os.getloadavg()[0],
