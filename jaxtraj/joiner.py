@@ -40,14 +40,14 @@ from jaxtraj.types import EnvPart, PolicyPart
 PyTree = Any
 
 
-def _put(buffer: PyTree, data: PyTree, start: tuple, ok: Any = None) -> PyTree:
-    """Write ``data`` (leaves ``[rows, ...]``) at ``start``: one pass over the part.
+def _put(buffer: PyTree, data: PyTree, start: tuple, ok: Any) -> PyTree:
+    """Write ``data`` (leaves ``[rows, ...]``) at ``start`` if ``ok``: one pass over the part.
 
-    ``start`` indexes the leading axes, ending with the row offset. With ``ok`` (a traced
-    bool), a false ``ok`` writes nothing: each leaf's write is one scatter of the part's
-    window whose first index is sent out of bounds, where XLA drops it (no branch, no
-    copy of the operand, nothing read back; on the CPU it compiles to the same in-place
-    update as a ``dynamic_update_slice``).
+    ``start`` indexes the leading axes, ending with the row offset; ``ok`` is a traced
+    bool. Each leaf's write is one scatter of the part's window whose first index a false
+    ``ok`` sends out of bounds, where XLA drops it (no branch, no copy of the operand,
+    nothing read back; on the CPU it compiles to the same in-place update as a
+    ``dynamic_update_slice``).
     """
     # Indices of one dtype, int32 like the key's (Python ints would be int64 under
     # jax_enable_x64, beside int32 key fields).
@@ -57,8 +57,6 @@ def _put(buffer: PyTree, data: PyTree, start: tuple, ok: Any = None) -> PyTree:
     def one(buf, x):
         x = jnp.asarray(x, buf.dtype)
         window = x.reshape((1,) * (n - 1) + x.shape)
-        if ok is None:
-            return lax.dynamic_update_slice(buf, window, at + (np.int32(0),) * (x.ndim - 1))
         first = jnp.where(ok, at[0], np.int32(buf.shape[0]))  # out of bounds: dropped
         index = jnp.stack((first,) + at[1:])[None]
         dims = lax.ScatterDimensionNumbers(
