@@ -6,9 +6,10 @@ Two strategies with one small interface, chosen by :class:`jaxtraj.TrajectoryCol
   host staging buffers allocated 64-byte aligned; a flush hands them to the device in
   one transfer per buffer. On the CPU backend that transfer is zero-copy (JAX adopts
   aligned host memory), so a half costs one pass over its bytes and a flush none. A
-  step's staging is never written while anything else holds it: the next step gets
-  the buffers of an earlier step that nobody references any more (its trajectory was
-  dropped: no page faults, no allocation), or fresh ones. A trajectory handed out is
+  step's staging is never written while anything else holds it: the next step's
+  first half takes the buffers of an earlier step that nobody references any more
+  (its trajectory was dropped: no page faults, no allocation; the latest such, whose
+  memory is warmest), or fresh ones. A trajectory handed out is
   never changed behind its holder's back.
 - :class:`DeviceStorage` (parts already on an accelerator): the jitted pure inserts
   into a donated device state, as a jitted training loop would call them.
@@ -26,6 +27,11 @@ import jax
 import numpy as np
 
 from jaxtraj import joiner
+
+try:  # JAX's deferred release of adopted host memory (internal; see _release_dropped)
+    from jax._src.lib import _jax as _jax_lib
+except ImportError:  # pragma: no cover - an internal module moved
+    _jax_lib = None
 from jaxtraj.state import CollectorState, init
 from jaxtraj.types import EnvPart, PolicyPart, rows_of
 
@@ -247,6 +253,8 @@ class HostStorage:
         plan = self._plans.get((treedef, layout))
         if plan is None:
             plan = self._plans[(treedef, layout)] = self._plan(treedef, len(leaves), layout)
+        if self._states[i] is None:  # the first half of a step
+            self._take(i)
         data, given = self._flat[i], self._given[i]
         where = (rows, initial_rows)
         for dst, src, initial in plan.copies:
@@ -296,7 +304,7 @@ class HostStorage:
 
     def read(self, i: int, kind: type, at: tuple, rows: int) -> Any:
         """The stored payload of one half's rows (to compare a re-sent half with)."""
-        st = self._states[i]
+        st = self._staging(i)
         sl = at[:-1] + (slice(at[-1], at[-1] + rows),)
         return jax.tree.map(lambda b: b[sl], st.policy if kind is PolicyPart else st.env)
 
@@ -315,7 +323,7 @@ class HostStorage:
         Views, not the buffers' own array objects: whoever holds one (a checkpoint's
         arrays, a device array adopting them) holds the staging's memory, and :meth:`renew`
         does not reuse it while they do."""
-        st, lay, group = self._states[i], self._layouts[i], self._groups[i]
+        st, lay, group = self._staging(i), self._layouts[i], self._groups[i]
         pick = (lambda x: x[group]) if len(group) > 1 or lay.stacked else (lambda x: x[group[0]])
         copy = lambda x: None if x is None else x.copy()
         view = lambda tree: jax.tree.map(lambda x: x.view(), tree)
@@ -339,23 +347,38 @@ class HostStorage:
         pass  # coverage is the mirror's; the buffers are renewed when the step ends
 
     def renew(self, i: int) -> None:
-        """Staging for state ``i``'s next step: the buffers just handed out join the
-        spares (at most :data:`SPARES`, the oldest dropped), and a spare that nothing
-        references any more (its trajectory was dropped) is reused: warm memory, no
-        allocation. A caller that holds the latest trajectory while the next step is
-        collected still gets recycled buffers."""
+        """State ``i``'s step ended: the buffers just handed out join the spares, and the
+        next step's staging is taken at its first use (:meth:`_take`), so that a
+        trajectory dropped by then gives its warm buffers straight back."""
+        self._spares[i].append(self._states[i])
+        del self._spares[i][: -(SPARES + 1)]
+        self._states[i] = None
+
+    def _staging(self, i: int) -> CollectorState:
+        st = self._states[i]
+        return self._take(i) if st is None else st
+
+    def _take(self, i: int) -> CollectorState:
+        """Staging for state ``i``'s step: the most recently handed-out spare that
+        nothing references any more (its trajectory was dropped: warm memory, no
+        allocation), or fresh buffers; at most :data:`SPARES` spares stay allocated. A
+        caller that holds the latest trajectory while the next step is collected still
+        gets recycled buffers."""
+        _release_dropped()
         pool = self._spares[i]
         free = [n for n, sp in enumerate(pool) if all(_unshared(x) for x in _data(sp))]
-        reuse = pool.pop(free[0]) if free else None
-        pool.append(self._states[i])
+        if not free:
+            st = self._fresh(self._layouts[i])
+        else:
+            reuse = pool.pop(free[-1])
+            zero = lambda x: None if x is None else np.zeros_like(x)
+            st = reuse.replace(
+                next_obs_given=zero(reuse.next_obs_given),
+                next_rlt_given=zero(reuse.next_rlt_given),
+            )
         del pool[:-SPARES]
-        if reuse is None:
-            self._set(i, self._fresh(self._layouts[i]))
-            return
-        zero = lambda x: None if x is None else np.zeros_like(x)
-        self._set(i, reuse.replace(
-            next_obs_given=zero(reuse.next_obs_given), next_rlt_given=zero(reuse.next_rlt_given)
-        ))
+        self._set(i, st)
+        return st
 
     def load(self, i: int, state: CollectorState) -> None:
         """Replace state ``i``'s staging with ``state``'s data (a checkpoint). Host arrays
@@ -385,6 +408,17 @@ class HostStorage:
 
 def _data(st: CollectorState) -> list[np.ndarray]:
     return jax.tree.leaves((st.policy, st.env, st.initial))
+
+
+def _release_dropped() -> None:
+    """Let go of host memory that dropped device arrays had adopted.
+
+    JAX defers releasing a numpy array that a device array adopted (zero-copy on the
+    CPU backend) until its next garbage collection, so a trajectory the caller has
+    dropped still holds its staging buffers until then; this releases them now."""
+    collect = getattr(_jax_lib, "collect_garbage", None)
+    if collect is not None:
+        collect()
 
 
 def _unshared(x: np.ndarray) -> bool:
