@@ -94,7 +94,11 @@ def make_env(name: str):
     raise SystemExit(f"--env must be gymnax or jax-pendulum, got {name!r}")
 
 
-def make_policy(K: int):
+def make_policy(K: int, obs_dim: int = OBS, actions: int = A):
+    """``(init, policy_fn, value_fn)``: an MLP actor (2 x 64, tanh) with a Gaussian noise of
+    one, and an MLP critic, float32 throughout (also under ``jax_enable_x64``)."""
+    f32 = jnp.float32
+
     def mlp(p, x):
         for w, b in p[:-1]:
             x = jnp.tanh(x @ w + b[None])
@@ -102,22 +106,28 @@ def make_policy(K: int):
         return x @ w + b[None]
 
     def init(rng):
-        sizes = [(OBS, HIDDEN), (HIDDEN, HIDDEN)]
+        sizes = [(obs_dim, HIDDEN), (HIDDEN, HIDDEN)]
         keys = jax.random.split(rng, 6)
-        layer = lambda k, i, o: (jax.random.normal(k, (i, o)) / np.sqrt(i), jnp.zeros((o,)))
-        actor = [layer(keys[j], *s) for j, s in enumerate(sizes)] + [layer(keys[2], HIDDEN, K)]
-        critic = [layer(keys[3 + j], *s) for j, s in enumerate(sizes)] + [layer(keys[5], HIDDEN, 1)]
-        return {"actor": actor, "critic": critic}
+
+        def layer(k, i, o):
+            return jax.random.normal(k, (i, o), f32) / f32(np.sqrt(i)), jnp.zeros((o,), f32)
+
+        actor = [layer(keys[j], *s) for j, s in enumerate(sizes)]
+        critic = [layer(keys[3 + j], *s) for j, s in enumerate(sizes)]
+        return {
+            "actor": actor + [layer(keys[2], HIDDEN, K * actions)],
+            "critic": critic + [layer(keys[5], HIDDEN, 1)],
+        }
 
     def value_fn(params, obs):
         return mlp(params["critic"], obs)[:, 0]
 
     def policy_fn(params, obs, key):
-        mean = mlp(params["actor"], obs).reshape(obs.shape[0], K, A)
-        noise = jax.random.normal(key, mean.shape)
+        mean = mlp(params["actor"], obs).reshape(obs.shape[0], K, actions)
+        noise = jax.random.normal(key, mean.shape, f32)
         return PolicyOutput(
             actions=mean + noise,
-            prev_logprobs=-0.5 * noise**2 - 0.5 * np.log(2 * np.pi),
+            prev_logprobs=-0.5 * noise**2 - f32(0.5 * np.log(2 * np.pi)),
             prev_values=value_fn(params, obs),
         )
 
@@ -130,9 +140,13 @@ def timed(fn, *args):
     return out, time.perf_counter() - t0
 
 
-def bench(B: int, T: int, K: int, repeats: int, env_name: str = "gymnax") -> dict:
-    env, env_params = make_env(env_name)
-    init, policy_fn, value_fn = make_policy(K)
+def compare(env, env_params, K: int, repeats: int, obs_dim: int = OBS, actions: int = A,
+            *, B: int, T: int) -> dict:
+    """The synchronous runner (collector inserts in its scan) against the same scan that
+    only stacks the parts, on ``env``: compile times, then interleaved repeats of one
+    training step each. Each call steps on from its own last carry (an env with host
+    state, as EnvPool's, advances between calls; a pure one may too)."""
+    init, policy_fn, value_fn = make_policy(K, obs_dim, actions)
     params = init(jax.random.PRNGKey(0))
     plan = TrajectoryPlan(num_chunks=T, batch_size=B)
     pe, ve = sync.example_parts(env, env_params, policy_fn, value_fn, params, B, K)
@@ -153,19 +167,20 @@ def bench(B: int, T: int, K: int, repeats: int, env_name: str = "gymnax") -> dic
     compile_stacked = time.perf_counter() - t0
 
     # Warm up (first touch of every buffer), then interleave the two.
-    state, _ = collect_c(state, carry, params)
+    state, c1 = collect_c(state, carry, params)
     traj, state = flush(plan, state)
-    jax.block_until_ready((stacked_c(carry, params), traj))
+    c2 = jax.block_until_ready((stacked_c(carry, params), traj))[0][2]
     t_collect, t_stacked, t_flush = [], [], []
     for i in range(repeats):
         order = ("stacked", "collect") if i % 2 == 0 else ("collect", "stacked")
         for name in order:
             if name == "stacked":
-                out, dt = timed(stacked_c, carry, params)
+                out, dt = timed(stacked_c, c2, params)
+                c2 = out[2]
                 t_stacked.append(dt)
                 del out
             else:
-                (state, _), dt = timed(collect_c, state, carry, params)
+                (state, c1), dt = timed(collect_c, state, c1, params)
                 t_collect.append(dt)
                 (traj, state), dt = timed(flush, plan, state)
                 t_flush.append(dt)
@@ -173,11 +188,10 @@ def bench(B: int, T: int, K: int, repeats: int, env_name: str = "gymnax") -> dic
     jaxtraj.raise_if_error(state)
     med = lambda xs: statistics.median(xs) * 1e3
     return {
-        **({} if env_name == "gymnax" else {"env": env_name}),
         "B": B,
         "T": T,
         "K": K,
-        "A": A,
+        "A": actions,
         "env_steps": B * T * K,
         "repeats": repeats,
         "stacked_ms": med(t_stacked),
@@ -188,7 +202,14 @@ def bench(B: int, T: int, K: int, repeats: int, env_name: str = "gymnax") -> dic
         "compile_collect_s": compile_collect,
         "compile_stacked_s": compile_stacked,
         "steps_per_s_collect": B * T * K / statistics.median(t_collect),
+        "steps_per_s_stacked": B * T * K / statistics.median(t_stacked),
     }
+
+
+def bench(B: int, T: int, K: int, repeats: int, env_name: str = "gymnax") -> dict:
+    env, env_params = make_env(env_name)
+    result = compare(env, env_params, K, repeats, B=B, T=T)
+    return {**({} if env_name == "gymnax" else {"env": env_name}), **result}
 
 
 def main():
