@@ -113,9 +113,11 @@ def test_pure_inserts_are_in_place_and_recycled_flush_copies_nothing():
         state = add[type(p)](PLAN, state, p)
         assert image(state) == first  # donated: written in place
     traj0, state = flush(PLAN, state)  # no recycle yet: the state keeps a copy
-    assert_same(traj0, reference(0))
     spare = traj0.obs["image"].unsafe_buffer_pointer()
+    # Read through copies: jax.device_get (chex's comparison) keeps a NumPy view of each CPU
+    # buffer since jax 0.11, and a buffer so viewed is copied when donated, not reused.
     kept0 = jax.tree.map(np.array, traj0)
+    assert_same(kept0, reference(0))
     for p in all_parts(0, step=1):
         state = add[type(p)](PLAN, state, p)
     before = image(state)

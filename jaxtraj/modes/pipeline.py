@@ -129,7 +129,9 @@ def flush(
       recycle: micro-batches of an earlier flush of this plan that the caller no longer
         uses (donate them), or ``None``. Their buffers take the new samples in place: no
         fresh allocation (on a CPU, no first-touch page faults; on a GPU, no allocator
-        traffic). Donated, they are consumed even when the epoch is not flushed.
+        traffic). Donated, they are consumed even when the epoch is not flushed. On a
+        CPU, batches read with ``jax.device_get`` are copied rather than reused (see
+        :mod:`jaxtraj.modes.rollout`).
 
     Returns:
       ``(micro_batches, state, mode_state)``. An incomplete or already flushed epoch

@@ -16,6 +16,11 @@ without a copy when the caller gives the state other buffers to continue with:
 
 Without ``recycle`` the state keeps its buffers and the trajectory is one copy of
 them; a trajectory handed out is never written by later collection.
+
+On the CPU, read a trajectory you will recycle with ``np.asarray`` or ``np.array``, not
+``jax.device_get``: since jax 0.11 ``device_get`` keeps a NumPy view of each CPU buffer,
+and a buffer so viewed is copied when donated, not reused (the result is the same, with
+one more copy).
 """
 
 from __future__ import annotations
