@@ -209,8 +209,9 @@ def restore(path: str | os.PathLike[str], plan, policy_example, env_example, **k
     """A :class:`TrajectoryCollector` restored from the checkpoint at ``path``.
 
     Args:
-      plan, policy_example, env_example: as for the collector that was saved; the
-        plan must be equal and the examples must give the same buffers.
+      plan: the plan of the collector that was saved (an equal one).
+      policy_example: as for that collector; it must give the same buffers.
+      env_example: as for that collector; it must give the same buffers.
       kwargs: the collector's other arguments (``writer``, ``tasks``, ``mesh``, ...);
         ``sources`` comes from the checkpoint.
 

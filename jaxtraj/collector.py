@@ -49,8 +49,9 @@ class TrajectoryCollector:
 
     Args:
       plan: the static :class:`TrajectoryPlan`.
-      policy_example, env_example: one example of each half; fixes the buffers'
+      policy_example: one example of a policy half; fixes the policy buffers'
         structure, trailing shapes and dtypes.
+      env_example: one example of an env half; the same for the env buffers.
       sources: ``(env_rank, stage_id)`` pairs owned; default all of the plan's.
       step_id: the first training step.
       auto_flush: flush each scope as soon as it completes (``add`` returns the

@@ -116,6 +116,22 @@ def test_api_reference_covers_every_public_name():
         assert f"::: jaxtraj.{module}\n" in page.read_text(), module
 
 
+def test_sphinx_roles_in_docstrings_become_api_links():
+    """The docs build's griffe extension turns ``:class:`Mirror``` into an optional
+    cross-reference to the name's full path, resolved where the docstring is."""
+    griffe = pytest.importorskip("griffe")
+    loaded = griffe.load(
+        "jaxtraj", search_paths=[str(ROOT)],
+        extensions=griffe.load_extensions(str(ROOT / "scripts" / "griffe_roles.py")),
+    )
+    text = loaded["collector"].docstring.value
+    assert ":class:" not in text
+    # a name imported into the module, and a fully qualified one shown by its last part
+    assert '<autoref identifier="jaxtraj.mirror.Mirror" optional><code>Mirror</code>' in text
+    assert ('<autoref identifier="jaxtraj.checks.HostChecks" optional>'
+            '<code>jaxtraj.checks.HostChecks</code>') in text
+
+
 def test_error_codes_page_lists_every_code_with_a_fix():
     from jaxtraj import ErrorCode
 

@@ -42,8 +42,13 @@ class EnvPoolEnv(ChunkEnv):
         ``i`` is seeded ``s + i`` by EnvPool; :meth:`reset` takes no seed), in
         synchronous mode (``batch_size`` unset or ``num_envs``).
       actions_per_chunk: ``K``.
-      obs_dtype, reward_dtype, obs_key, per_action_obs, info_keys, success, policy_example: as
-        for :class:`~jaxtraj.envs.GymnasiumEnv`.
+      obs_dtype: as for :class:`~jaxtraj.envs.GymnasiumEnv`.
+      reward_dtype: as for :class:`~jaxtraj.envs.GymnasiumEnv`.
+      obs_key: as for :class:`~jaxtraj.envs.GymnasiumEnv`.
+      per_action_obs: as for :class:`~jaxtraj.envs.GymnasiumEnv`.
+      info_keys: as for :class:`~jaxtraj.envs.GymnasiumEnv`.
+      success: as for :class:`~jaxtraj.envs.GymnasiumEnv`.
+      policy_example: as for :class:`~jaxtraj.envs.GymnasiumEnv`.
 
     Raises:
       ValueError: an asynchronous pool (``batch_size < num_envs``), an unsupported

@@ -515,7 +515,8 @@ class GymnasiumEnv(ChunkEnv):
         ``AsyncVectorEnv``, or one that serves ``metadata["autoreset_mode"]`` and
         ``reset(options={"reset_mask": ...})`` like them).
       actions_per_chunk: ``K``.
-      obs_dtype, reward_dtype: the dtypes float observations and rewards are cast to.
+      obs_dtype: the dtype float observations are cast to.
+      reward_dtype: the dtype rewards are cast to.
       obs_key: a Box observation becomes ``{obs_key: array}`` (the array alone if
         ``None``); a Dict observation space gives a dict of arrays.
       per_action_obs: also report ``action_obs`` ``[B, K, ...]``.

@@ -264,9 +264,10 @@ def shuffle_valid_first(
     indices alongside.
 
     Args:
-      random_bits, rounds: random bits a round and rounds (default: what the key leaves
-        beside the place and the invalid flag, and the rounds that bound ties as above);
-        tests lower them to exercise ties.
+      random_bits: random bits a round (default: what the key leaves beside the place
+        and the invalid flag); tests lower it to exercise ties.
+      rounds: the number of rounds (default: those that bound ties as above); tests
+        lower it too.
     """
     N = valid.shape[0]
     b = max(1, (N - 1).bit_length())  # bits of a place
@@ -403,10 +404,12 @@ class Pipeline(Stacked):
     Args:
       plan: the plan.
       rng: the shuffle key (default ``PRNGKey(0)``).
-      mesh, source_axis, actor_axis: several devices: sources sharded over
-        ``source_axis``, micro-batches over ``actor_axis``. With several processes
-        (``jax.distributed``) each process's collector holds its own sources, and every
-        process flushes each epoch together, in the same order.
+      mesh: several devices: sources sharded over ``source_axis``, micro-batches over
+        ``actor_axis``. With several processes (``jax.distributed``) each process's
+        collector holds its own sources, and every process flushes each epoch
+        together, in the same order.
+      source_axis: the mesh axis the sources are sharded over.
+      actor_axis: the mesh axis the micro-batches (Actor ranks) are sharded over.
     """
 
     plan: TrajectoryPlan

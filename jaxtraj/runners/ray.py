@@ -102,8 +102,9 @@ class EnvWorker:
       plan: the collector's plan (batch size, for the env halves).
       policy_fn: the policy, when inference runs in the actor (``policy="actor"``).
       stamp: whether the plan keeps ``versions`` (stamped with the model version).
-      value_fn, layout: terminal inference in the actor (``policy="actor"``: the actor's
-        copy of the policy side), and the collector's layout it shapes values to.
+      value_fn: terminal inference in the actor (``policy="actor"``: the actor's copy
+        of the policy side).
+      layout: the collector's layout the values are shaped to.
     """
 
     def __init__(
@@ -246,20 +247,23 @@ class RayRunner:
         it was sent), so the environments need no critic. ``None``: env halves carry
         the env's own ``EnvStep.final_values`` (or none).
       num_steps: training steps each :meth:`run` collects.
-      step_id, stage_id: the first training step, and the stage of every key.
+      step_id: the first training step.
+      stage_id: the stage of every key.
       env_ranks: the env ranks, one actor each; default ``range(plan.num_env_ranks)``.
       seed: base seed of :func:`~jaxtraj.runners.service.key_rng` (computed in the
         learner for every chunk, also when the policy runs in the actors).
       policy: ``"learner"`` (Sebulba-style) or ``"actor"``.
-      chunks_per_call, max_in_flight: with ``policy="actor"``, chunks per actor call
-        (batched in one transfer) and outstanding calls per actor.
+      chunks_per_call: with ``policy="actor"``, chunks per actor call (batched in one
+        transfer).
+      max_in_flight: with ``policy="actor"``, outstanding calls per actor.
       max_restarts: failures of one worker without progress in between before the run
         stops (Ray itself restarts the actors without limit).
       stall_timeout_s: kill (and so restart) a worker that has not answered a request
         for this long; ``None``: never.
       actor_options: extra ``ray.remote`` options of the env actors (``num_cpus``,
         ``resources``, ``scheduling_strategy``: where they are placed).
-      on_flush, output_queue: where flushed items go (as :class:`AsyncRunner`); else
+      on_flush: where flushed items go (as :class:`AsyncRunner`).
+      output_queue: else where they go (as :class:`AsyncRunner`); with neither,
         :meth:`run` returns them.
 
     Example::

@@ -337,8 +337,8 @@ def collect(
     Args:
       plan: the static plan (``num_epochs`` ``E``, ``num_chunks`` ``T``,
         ``batch_size`` ``B``).
-      env, env_params: a gymnax-style environment and its parameters (static /
-        traced respectively), or an :class:`EnvDriver` (``env_params`` ignored).
+      env: a gymnax-style environment (static), or an :class:`EnvDriver`.
+      env_params: its parameters (traced; ignored with an :class:`EnvDriver`).
       policy_fn: ``(params, obs [B, ...], key) -> PolicyOutput`` with ``actions
         [B, K, A]``, ``prev_logprobs`` and ``prev_values [B]``.
       value_fn: ``(params, obs [B, ...]) -> [B]``, terminal inference.
@@ -346,7 +346,8 @@ def collect(
         is the source's current step in it.
       carry: the :class:`EnvCarry` after :func:`reset` or the previous call.
       params: policy/value parameters passed to ``policy_fn`` and ``value_fn``.
-      env_rank, stage_id: the source this rollout feeds.
+      env_rank: the env rank of the source this rollout feeds.
+      stage_id: the stage of that source.
 
     Returns:
       ``(state, carry)``: the state with every chunk of the step inserted (check

@@ -89,7 +89,8 @@ class AsyncRunner:
         env halves carry the env's own ``EnvStep.final_values`` (or none).
       num_steps: training steps each :meth:`run` collects (each: every epoch and chunk
         of the plan).
-      step_id, stage_id: the first training step, and the stage of every key.
+      step_id: the first training step.
+      stage_id: the stage of every key.
       env_ranks: the env rank of each env; default ``range(len(envs))``.
       seed: base seed of :func:`key_rng` (policy sampling).
       on_flush: ``on_flush(queue_key, item)`` called for each flushed item; else
@@ -507,9 +508,10 @@ class DecoupledRunner(AsyncRunner):
       back per key), so it runs at its own rate; the call's ``rng`` is the first
       request's :func:`key_rng`, so sampled noise depends on how requests were batched.
 
+    Takes :class:`AsyncRunner`'s arguments, and:
+
     Args:
       max_batch: the most requests served by one policy call.
-      Other arguments as :class:`AsyncRunner`.
 
     Example::
 
