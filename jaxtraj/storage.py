@@ -9,8 +9,8 @@ Two strategies with one small interface, chosen by :class:`jaxtraj.TrajectoryCol
   step's staging is never written while anything else holds it: the next step's
   first half takes the buffers of an earlier step that nobody references any more
   (its trajectory was dropped: no page faults, no allocation; the latest such, whose
-  memory is warmest), or fresh ones. A trajectory handed out is
-  never changed behind its holder's back.
+  memory is warmest), or fresh ones. A trajectory handed out is never changed behind
+  its holder's back.
 - :class:`DeviceStorage` (parts already on an accelerator): the jitted pure inserts
   into a donated device state, as a jitted training loop would call them.
 
@@ -27,13 +27,13 @@ import jax
 import numpy as np
 
 from jaxtraj import joiner
+from jaxtraj.state import CollectorState, init
+from jaxtraj.types import EnvPart, PolicyPart, rows_of
 
 try:  # JAX's deferred release of adopted host memory (internal; see _release_dropped)
     from jax._src.lib import _jax as _jax_lib
 except ImportError:  # pragma: no cover - an internal module moved
     _jax_lib = None
-from jaxtraj.state import CollectorState, init
-from jaxtraj.types import EnvPart, PolicyPart, rows_of
 
 _ALIGN = 64  # bytes: what XLA's CPU client needs to adopt host memory without a copy
 
