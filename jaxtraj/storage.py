@@ -350,8 +350,9 @@ class HostStorage:
         """State ``i``'s step ended: the buffers just handed out join the spares, and the
         next step's staging is taken at its first use (:meth:`_take`), so that a
         trajectory dropped by then gives its warm buffers straight back."""
-        self._spares[i].append(self._states[i])
-        del self._spares[i][: -(SPARES + 1)]
+        if self._states[i] is not None:  # else nothing was taken since the last renew
+            self._spares[i].append(self._states[i])
+            del self._spares[i][: -(SPARES + 1)]
         self._states[i] = None
 
     def _staging(self, i: int) -> CollectorState:

@@ -130,6 +130,27 @@ def test_sphinx_roles_in_docstrings_become_api_links():
     assert '<autoref identifier="jaxtraj.mirror.Mirror" optional><code>Mirror</code>' in text
     assert ('<autoref identifier="jaxtraj.checks.HostChecks" optional>'
             '<code>jaxtraj.checks.HostChecks</code>') in text
+    # a method of the docstring's class, inherited: GymnasiumEnv's ``:meth:`reset```
+    env = loaded["envs.gymnasium.GymnasiumEnv"].docstring.value
+    assert '<autoref identifier="jaxtraj.envs.gymnasium.GymnasiumEnv.reset" optional>' in env
+    # every link's target is an object of the package (no made-up paths)
+    targets, todo, seen = set(), [loaded], set()
+    while todo:
+        obj = todo.pop()
+        if obj.path in seen:
+            continue
+        seen.add(obj.path)
+        if obj.docstring is not None:
+            targets |= set(re.findall(r'<autoref identifier="([^"]+)"', obj.docstring.value))
+        todo += [m for m in obj.members.values() if not m.is_alias]
+    assert len(targets) > 50
+    missing = []
+    for target in sorted(targets):
+        try:
+            loaded[target.removeprefix("jaxtraj.")]
+        except KeyError:
+            missing.append(target)
+    assert not missing, missing
 
 
 def test_error_codes_page_lists_every_code_with_a_fix():

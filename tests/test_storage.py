@@ -144,9 +144,9 @@ def test_staging_is_reused_only_once_nothing_holds_it():
     c = jaxtraj.TrajectoryCollector(PLAN, policy_part(0), env_part(0), storage="host")
     staged = []
 
-    def step(k):
-        staged.append(pointer(c.states[0].policy.obs["image"]))
+    def step(k):  # the staging is taken at the step's first half: the trajectory shows it
         (traj,) = [t for p in all_parts(0, step=k) for _, t in c.add(p)]
+        staged.append(traj.obs["image"].unsafe_buffer_pointer())
         return traj
 
     held = step(0)  # kept by the caller
@@ -170,8 +170,8 @@ def test_staging_is_recycled_while_the_caller_holds_the_latest_trajectory():
     c = jaxtraj.TrajectoryCollector(PLAN, policy_part(0), env_part(0), storage="host")
     staged, held, kept = [], None, None
     for k in range(6):
-        staged.append(pointer(c.states[0].policy.obs["image"]))
         (traj,) = [t for p in all_parts(0, step=k) for _, t in c.add(p)]
+        staged.append(traj.obs["image"].unsafe_buffer_pointer())  # zero-copy: the staging
         if held is not None:
             assert_same(held, kept)  # not written while held
         held, kept = traj, jax.tree.map(np.array, traj)
@@ -180,3 +180,22 @@ def test_staging_is_recycled_while_the_caller_holds_the_latest_trajectory():
     # and step k - 1's, dropped by then, gives its buffers back.
     assert len(set(staged)) == 2
     assert staged[2:] == staged[:-2]
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="zero-copy adoption is the CPU client's")
+def test_the_most_recently_handed_out_free_staging_is_taken():
+    """Of several free spares, the next step takes the latest one's (its memory is the
+    warmest); at most SPARES stay allocated beside the step being collected."""
+    c = jaxtraj.TrajectoryCollector(PLAN, policy_part(0), env_part(0), storage="host")
+
+    def step(k):
+        (traj,) = [t for p in all_parts(0, step=k) for _, t in c.add(p)]
+        return traj
+
+    held = [step(k) for k in range(3)]  # all held: three buffers
+    staged = [t.obs["image"].unsafe_buffer_pointer() for t in held]
+    assert len(set(staged)) == 3
+    del held  # all dropped
+    assert step(3).obs["image"].unsafe_buffer_pointer() == staged[2]
+    c.states  # noqa: B018 - takes step 4's staging
+    assert len(c._store._spares[0]) <= storage.SPARES

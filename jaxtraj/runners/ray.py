@@ -262,8 +262,8 @@ class RayRunner:
         for this long; ``None``: never.
       actor_options: extra ``ray.remote`` options of the env actors (``num_cpus``,
         ``resources``, ``scheduling_strategy``: where they are placed).
-      on_flush: where flushed items go (as :class:`AsyncRunner`).
-      output_queue: else where they go (as :class:`AsyncRunner`); with neither,
+      on_flush: where flushed items go (as :class:`~jaxtraj.runners.threads.AsyncRunner`).
+      output_queue: where flushed items go when ``on_flush`` is ``None``; with neither,
         :meth:`run` returns them.
 
     Example::
