@@ -303,27 +303,20 @@ class CollectorTimer:
     def __init__(self, collector):
         self.add_s = self.check_s = 0.0
         self._lock = threading.Lock()
-        add, check = collector.add, collector.check_structure
+        collector.add = self._timed(collector.add, "add_s")
+        collector.check_structure = self._timed(collector.check_structure, "check_s")
 
-        def timed_add(part):
+    def _timed(self, fn, total: str):
+        def timed(part):
             t0 = time.perf_counter()
             try:
-                return add(part)
+                return fn(part)
             finally:
                 dt = time.perf_counter() - t0
                 with self._lock:
-                    self.add_s += dt
+                    setattr(self, total, getattr(self, total) + dt)
 
-        def timed_check(part):
-            t0 = time.perf_counter()
-            try:
-                return check(part)
-            finally:
-                dt = time.perf_counter() - t0
-                with self._lock:
-                    self.check_s += dt
-
-        collector.add, collector.check_structure = timed_add, timed_check
+        return timed
 
     def total(self):
         with self._lock:

@@ -428,12 +428,6 @@ def _unshared(x: np.ndarray) -> bool:
     return sys.getrefcount(x.base) <= 2  # x's own reference and the call's argument
 
 
-def _copy(buffer: Any, data: Any, index: Any) -> None:
-    """``buffer[index] = data`` leaf by leaf: one pass over the data."""
-    for b, x in zip(jax.tree.leaves(buffer), jax.tree.leaves(data)):
-        b[index] = x
-
-
 class DeviceStorage:
     """Device states, written by the jitted pure inserts (state donated)."""
 

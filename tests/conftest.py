@@ -46,3 +46,16 @@ def _dtype_promotion(request):
         return
     with jax.numpy_dtype_promotion("standard"):
         yield
+
+
+@pytest.fixture
+def lerobot_dataset(tmp_path, monkeypatch):
+    """LeRobot's ``lerobot.datasets.lerobot_dataset``, offline (no hub, a private
+    ``HF_HOME``); the test is skipped where LeRobot is not installed (docs/lerobot.md)."""
+    import warnings
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return pytest.importorskip("lerobot.datasets.lerobot_dataset")

@@ -233,7 +233,7 @@ def test_every_frame_shows_what_the_robot_saw_and_did(tmp_path, mode):
         assert np.abs(got - want[:, None, None, None]).max() <= 3, ep
 
 
-def test_lerobot_loads_the_recording_frame_by_frame(tmp_path, monkeypatch):
+def test_lerobot_loads_the_recording_frame_by_frame(tmp_path, lerobot_dataset):
     """LeRobot 0.6.1's own loader (offline, pyav backend) reads the recording: every
     frame's state, action, reward, flags, success and camera image as recorded (skipped
     where LeRobot is not installed: docs/lerobot.md says how to run it)."""
@@ -241,11 +241,6 @@ def test_lerobot_loads_the_recording_frame_by_frame(tmp_path, monkeypatch):
 
     from gymnasium.vector import AutoresetMode
 
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        lerobot_dataset = pytest.importorskip("lerobot.datasets.lerobot_dataset")
     root = tmp_path / "ds"
     executed, _ = record(root, AutoresetMode.NEXT_STEP)
     data, meta, info = read(root)

@@ -766,13 +766,8 @@ def test_collector_writes_camera_episodes_across_steps(tmp_path):
     check_videos(root, written)
 
 
-def test_lerobot_loads_a_collector_dataset_with_cameras(tmp_path, monkeypatch):
+def test_lerobot_loads_a_collector_dataset_with_cameras(tmp_path, lerobot_dataset):
     """LeRobot 0.6.1's loader, offline, pyav backend: two video cameras and an image camera."""
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        lerobot_dataset = pytest.importorskip("lerobot.datasets.lerobot_dataset")
     root = tmp_path / "ds"
     _, episodes = collector_run(root)
     lengths = [len(e[TOP]) for e in episodes]

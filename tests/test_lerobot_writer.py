@@ -615,6 +615,24 @@ def count_commits(tmp_path: Path, batches) -> list[int]:
     return counts
 
 
+def dying_commit(k: int, rename: bool, renamed: list | None = None):
+    """A ``files.commit`` that kills the writer at its ``k``-th commit: before the rename,
+    or (``rename``) just after it; ``renamed`` collects the paths committed before."""
+    real, seen = files.commit, [0]
+
+    def dying(tmp, path):
+        if seen[0] == k:
+            if rename:
+                real(tmp, path)
+            raise Killed
+        seen[0] += 1
+        if renamed is not None:
+            renamed.append(path)
+        real(tmp, path)
+
+    return dying
+
+
 def test_crash_at_every_commit_leaves_a_loadable_dataset(tmp_path):
     rng = np.random.default_rng(14)
     # The third call spans two data files, two metadata files and a new task.
@@ -629,19 +647,8 @@ def test_crash_at_every_commit_leaves_a_loadable_dataset(tmp_path):
             writer = new_writer(root, data_files_size_in_mb=0.01, chunks_size=2)
             writer.add_episodes(*batches[0])
             writer.add_episodes(*batches[1])
-            seen = [0]
-            real = files.commit
-
-            def dying(tmp, path, k=k, rename=rename):
-                if seen[0] == k:
-                    if rename:
-                        real(tmp, path)
-                    raise Killed
-                seen[0] += 1
-                real(tmp, path)
-
             with pytest.MonkeyPatch.context() as mp:
-                mp.setattr(files, "commit", dying)
+                mp.setattr(files, "commit", dying_commit(k, rename))
                 with pytest.raises(Killed):
                     writer.add_episodes(*batches[2])
             last_commit = rename and k == commits[2] - 1
@@ -729,23 +736,15 @@ def test_crash_at_every_commit_of_an_appending_call(tmp_path):
             writer = new_writer(root)
             for batch in batches[:3]:
                 writer.add_episodes(*batch)
-            seen, real, renamed = [0], files.commit, []
-
-            def dying(tmp, path, k=k, rename=rename):
-                if seen[0] == k:
-                    if rename:
-                        real(tmp, path)
-                    raise Killed
-                seen[0] += 1
-                renamed.append(path.relative_to(root).as_posix())
-                real(tmp, path)
-
+            renamed = []
             with pytest.MonkeyPatch.context() as mp:
-                mp.setattr(files, "commit", dying)
+                mp.setattr(files, "commit", dying_commit(k, rename, renamed))
                 with pytest.raises(Killed):
                     writer.add_episodes(*batches[3])
             if k == 1:  # the data file, rewritten in place of the committed one, comes first
-                assert renamed == ["data/chunk-000/file-000.parquet"]
+                assert [p.relative_to(root).as_posix() for p in renamed] == [
+                    "data/chunk-000/file-000.parquet"
+                ]
             last_commit = rename and k == commits[3] - 1
             d = check_dataset(root, strict=False)
             assert d["info"]["total_episodes"] == (8 if last_commit else 6)
@@ -1009,13 +1008,8 @@ def test_process_sigkilled_while_appending(tmp_path):
     check_after_kill_and_resume(tmp_path / "ds")
 
 
-def test_lerobot_loads_the_dataset(tmp_path, monkeypatch):
+def test_lerobot_loads_the_dataset(tmp_path, lerobot_dataset):
     """LeRobot's own loader, offline, on a dataset written in two sessions (docs/lerobot.md)."""
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        lerobot_dataset = pytest.importorskip("lerobot.datasets.lerobot_dataset")
     root = tmp_path / "ds"
     rng = np.random.default_rng(16)
     batches = [make_batch(rng, 5), make_batch(rng, 4)]

@@ -29,7 +29,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxtraj.envs.gymnasium import ChunkEnv, obs_converter, require, space_spec
+from jaxtraj.envs.gymnasium import ChunkEnv, require
 
 PyTree = Any
 
@@ -83,7 +83,14 @@ class EnvPoolEnv(ChunkEnv):
                 f"EnvPoolEnv serves synchronous pools only (batch_size == num_envs); this pool "
                 f"has batch_size {batch}, num_envs {num_envs}"
             )
+        space = pool.observation_space
         self._setup(
+            num_envs=num_envs,
+            obs_space=space,
+            action_space=pool.action_space,
+            obs_is_dict=hasattr(getattr(space, "spaces", None), "items"),
+            obs_dtype=obs_dtype,
+            obs_key=obs_key,
             actions_per_chunk=actions_per_chunk,
             per_action_obs=per_action_obs,
             info_keys=info_keys,
@@ -91,15 +98,7 @@ class EnvPoolEnv(ChunkEnv):
             success=success,
         )
         self.pool = pool
-        self.num_envs = num_envs
         self._ids = np.arange(num_envs)
-        space = pool.observation_space
-        self._obs_spec = space_spec(space, num_envs, np.dtype(obs_dtype), obs_key)
-        is_dict = hasattr(getattr(space, "spaces", None), "items")
-        self._convert = obs_converter(np.dtype(obs_dtype), obs_key, is_dict)
-        act = pool.action_space
-        self._action_shape = tuple(act.shape)
-        self._action_dtype = np.dtype(act.dtype)
         if policy_example is not None:
             self.check_against(policy_example)
 

@@ -269,7 +269,11 @@ class ChunkEnv:
     _reward_dtype: np.dtype
     _convert: Callable[[Any], PyTree]  # the env's observation -> our cast tree
 
-    def _setup(self, *, actions_per_chunk, per_action_obs, info_keys, reward_dtype, success=None):
+    def _setup(
+        self, *, num_envs, obs_space, action_space, obs_is_dict, obs_dtype, obs_key,
+        actions_per_chunk, per_action_obs, info_keys, reward_dtype, success=None,
+    ):
+        """The options both adapters share, and what the spaces (one sub-env's) imply."""
         if int(actions_per_chunk) < 1:
             raise ValueError(f"actions_per_chunk must be >= 1, got {actions_per_chunk}")
         if isinstance(info_keys, str):
@@ -288,6 +292,11 @@ class ChunkEnv:
         self._reward_dtype = np.dtype(reward_dtype)
         self._info_dtypes: dict[str, np.dtype] = {}
         self._obs = None
+        self.num_envs = int(num_envs)
+        self._obs_spec = space_spec(obs_space, self.num_envs, np.dtype(obs_dtype), obs_key)
+        self._convert = obs_converter(np.dtype(obs_dtype), obs_key, obs_is_dict)
+        self._action_shape = tuple(action_space.shape)
+        self._action_dtype = np.dtype(action_space.dtype)
 
     # ------------------------------------------------------------------ public
 
@@ -558,7 +567,14 @@ class GymnasiumEnv(ChunkEnv):
                 f"GymnasiumEnv takes a gymnasium.vector.VectorEnv, got {type(vector_env).__name__}"
                 " (gymnasium.make_vec(...) makes one)"
             )
+        space = vector_env.single_observation_space
         self._setup(
+            num_envs=vector_env.num_envs,
+            obs_space=space,
+            action_space=vector_env.single_action_space,
+            obs_is_dict=isinstance(space, gym.spaces.Dict),
+            obs_dtype=obs_dtype,
+            obs_key=obs_key,
             actions_per_chunk=actions_per_chunk,
             per_action_obs=per_action_obs,
             info_keys=info_keys,
@@ -566,16 +582,8 @@ class GymnasiumEnv(ChunkEnv):
             success=success,
         )
         self.env = vector_env
-        self.num_envs = int(vector_env.num_envs)
         self.seed = seed
         self._mode = self._serve_mode(gym, vector, vector_env)
-        space = vector_env.single_observation_space
-        self._obs_spec = space_spec(space, self.num_envs, np.dtype(obs_dtype), obs_key)
-        is_dict = isinstance(space, gym.spaces.Dict)
-        self._convert = obs_converter(np.dtype(obs_dtype), obs_key, is_dict)
-        act = vector_env.single_action_space
-        self._action_shape = tuple(act.shape)
-        self._action_dtype = np.dtype(act.dtype)
         self._seeded = False
         if policy_example is not None:
             self.check_against(policy_example)
