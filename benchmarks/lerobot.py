@@ -76,9 +76,8 @@ import pyarrow.parquet as pq
 # too); set before any encoder starts, so that both sides of a comparison log alike.
 os.environ.setdefault("SVT_LOG", "1")
 
-from jaxtraj import lerobot_writer  # noqa: E402
-from jaxtraj.lerobot import video  # noqa: E402
-from jaxtraj.lerobot_writer import LeRobotWriter  # noqa: E402
+from jaxtraj.lerobot import LeRobotWriter, video  # noqa: E402
+from jaxtraj.lerobot.format import DICTIONARY_COLUMNS, to_numpy  # noqa: E402
 
 FEATURES = {
     "observation.state": {"dtype": "float32", "shape": [32], "names": None},
@@ -134,7 +133,7 @@ def bench_size(num: int, length: int, repeats: int, workdir: Path) -> dict:
 
     # The statistics update alone, on the columns add_episodes feeds it.
     columns = {
-        name: lerobot_writer._to_numpy(table.column(name), spec["shape"][0])
+        name: to_numpy(table.column(name), spec["shape"][0])
         for name, spec in writer.features.items()
     }
 
@@ -145,9 +144,7 @@ def bench_size(num: int, length: int, repeats: int, workdir: Path) -> dict:
 
     runs = {
         "add_episodes": run_writer,
-        "write_table": run_table(
-            compression="snappy", use_dictionary=lerobot_writer._DICTIONARY_COLUMNS
-        ),
+        "write_table": run_table(compression="snappy", use_dictionary=DICTIONARY_COLUMNS),
         "write_table (defaults)": run_table(),
         "statistics": run_stats,
     }

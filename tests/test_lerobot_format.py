@@ -26,7 +26,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from jaxtraj import lerobot_writer
 from jaxtraj.lerobot import DEFAULT_FEATURES, QUANTILES, LeRobotWriter, files
 from jaxtraj.lerobot.format import tasks_table
 
@@ -918,16 +917,6 @@ def test_resume_rebuilds_a_damaged_stats_cache(tmp_path, case):
     writer.add_episodes(*make_batch(rng, 2))
     d = check_dataset(root)
     assert_stats(d["stats"], d["data"])
-
-
-def test_compatibility_module():
-    """``jaxtraj.lerobot_writer`` still offers what it did, from ``jaxtraj.lerobot``."""
-    from jaxtraj.lerobot import features
-
-    assert lerobot_writer.LeRobotWriter is LeRobotWriter
-    assert lerobot_writer.DEFAULT_FEATURES is DEFAULT_FEATURES
-    assert lerobot_writer.QUANTILES is QUANTILES
-    assert callable(features)
 
 
 SCRIPT = textwrap.dedent(
