@@ -1,7 +1,10 @@
 """jaxtraj.envs against real simulators: gymnasium Hopper-v5 (sync and async vector envs,
 every autoreset mode) and EnvPool Hopper-v4, field by field against hand-written loops
 over single environments; casting, the spaces check, the errors, the missing extras, and
-one collection into a rollout-mode TrajectoryCollector."""
+one collection into a rollout-mode TrajectoryCollector.
+
+These run chunk_end="continue" (every action runs, an ended episode resets at once);
+tests/test_chunk_end.py checks the default, "cut"."""
 
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from jaxtraj.runners.service import EnvStep, env_part
 
 B, K, T = 3, 4, 4
 SEED = 10
+MODE = "continue"
 
 
 def hopper_actions(t_chunks: int = T, batch: int = B, k: int = K) -> np.ndarray:
@@ -37,7 +41,8 @@ def hopper_actions(t_chunks: int = T, batch: int = B, k: int = K) -> np.ndarray:
 def reference(makers, seeds, actions, info_keys=()):
     """Single environments, stepped one action at a time, reset by hand at once after an
     episode ends (no seed: the env's random stream continues). Returns the first
-    observation and one dict per chunk, cast as the adapters cast."""
+    observation and one dict per chunk, cast as the adapters cast; ``final_obs`` is
+    the observation of the chunk's first episode end."""
     envs = [m() for m in makers]
     obs = [e.reset(seed=s)[0] for e, s in zip(envs, seeds)]
     first = np.asarray(obs, np.float32)
@@ -61,7 +66,8 @@ def reference(makers, seeds, actions, info_keys=()):
                 for name in info_keys:
                     out["info"][name][b, k] = info[name]
                 if term or trunc:
-                    final[b] = o
+                    if final[b] is None:  # the chunk's first end
+                        final[b] = o
                     o, _ = env.reset()
                 obs[b] = o
         out["obs"] = np.asarray(obs, np.float32)
@@ -72,6 +78,16 @@ def reference(makers, seeds, actions, info_keys=()):
     for e in envs:
         e.close()
     return first, chunks
+
+
+def chunk_rewards(rewards, terms, truncs, v_final, gamma):
+    """The chunk-end rule by hand (rewards summed): a chunk's reward is its actions'
+    rewards up to and including its first episode end, plus ``gamma * V(final obs)``
+    if that end is a truncation."""
+    done = terms | truncs
+    owned = np.cumsum(done, -1) - done == 0
+    cut_first = (truncs & owned).any(-1)
+    return (rewards * owned).sum(-1) + gamma * v_final * cut_first
 
 
 def assert_same(step: EnvStep, ref: dict, obs_key: str = "state", info_keys=()):
@@ -134,6 +150,7 @@ def test_gymnasium_matches_single_envs_every_autoreset_mode(gym):
             seed=SEED,
             per_action_obs=True,
             info_keys=info_keys,
+            chunk_end=MODE,
         )
         assert env.autoreset_mode == mode.name
         got_first, steps = run_chunks(env, actions)
@@ -149,7 +166,7 @@ def test_gymnasium_matches_single_envs_every_autoreset_mode(gym):
 
 def test_gymnasium_truncations_mid_chunk(gym):
     """A time limit of 3 steps with chunks of 4: truncations at every action index,
-    twice in one chunk (final_obs is the later episode's), and the next chunk's first
+    twice in one chunk (final_obs is the first episode's), and the next chunk's first
     observation is the new episode's."""
     from gymnasium.vector import AutoresetMode
 
@@ -165,6 +182,7 @@ def test_gymnasium_truncations_mid_chunk(gym):
             actions_per_chunk=K,
             seed=SEED,
             per_action_obs=True,
+            chunk_end=MODE,
         )
         _, steps = run_chunks(env, actions)
         env.close()
@@ -263,6 +281,7 @@ def test_casting_dict_obs_nan_and_float64(gym):
         seed=0,
         info_keys=("is_success", "missing"),
         per_action_obs=True,
+        chunk_end=MODE,
     )
     spec = env.spec()
     assert spec.obs["state"] == jax.ShapeDtypeStruct((2, 2), np.float32)
@@ -457,7 +476,9 @@ def test_envpool_matches_single_pools(envpool):
     first, ref = envpool_reference(envpool, [SEED + i for i in range(B)], actions)
     assert np.stack([c["terminations"] for c in ref])[..., :-1].any()
     pool = envpool.make("Hopper-v4", env_type="gymnasium", num_envs=B, seed=SEED)
-    env = EnvPoolEnv(pool, actions_per_chunk=K, per_action_obs=True, info_keys=("x_position",))
+    env = EnvPoolEnv(
+        pool, actions_per_chunk=K, per_action_obs=True, info_keys=("x_position",), chunk_end=MODE
+    )
     assert env.spec().actions == jax.ShapeDtypeStruct((B, K, 3), np.float64)
     got_first, steps = run_chunks(env, actions)
     np.testing.assert_array_equal(got_first["state"], first)
@@ -477,7 +498,7 @@ def test_envpool_truncations_mid_chunk(envpool):
     pool = envpool.make(
         "Hopper-v4", env_type="gymnasium", num_envs=2, seed=SEED, max_episode_steps=3
     )
-    env = EnvPoolEnv(pool, actions_per_chunk=K)
+    env = EnvPoolEnv(pool, actions_per_chunk=K, chunk_end=MODE)
     _, steps = run_chunks(env, actions)
     for step, want in zip(steps, ref):
         assert_same(step, want)
@@ -550,8 +571,9 @@ def test_missing_extras_name_the_extra(tmp_path):
 def test_rollout_collection_end_to_end(gym):
     """A rollout-mode collector fed by a hand-written service loop over GymnasiumEnv
     (truncations every 3 steps and terminations, chunks of 4), terminal inference on
-    ``final_obs``: the flushed Trajectory's obs, rewards (with gamma * V(final obs) at
-    truncations), [T+1] flags and prev_values[T] match the reference loop."""
+    ``final_obs``: the flushed Trajectory's obs, rewards (and the targets' chunk rewards,
+    with gamma * V(final obs) at truncations), [T+1] flags and prev_values[T] match the
+    reference loop."""
     from gymnasium.vector import AutoresetMode
 
     gamma, Bn = 0.9, 2
@@ -568,6 +590,7 @@ def test_rollout_collection_end_to_end(gym):
         hopper_vec(gym, AutoresetMode.NEXT_STEP, batch=Bn, max_steps=6),
         actions_per_chunk=K,
         seed=SEED,
+        chunk_end=MODE,
     )
     plan = TrajectoryPlan(num_chunks=T, batch_size=Bn, gamma=gamma)
     out_example = PolicyOutput(
@@ -596,10 +619,14 @@ def test_rollout_collection_end_to_end(gym):
     np.testing.assert_array_equal(np.asarray(traj.obs["state"])[0], obs_ref)
     rewards = np.stack([c["rewards"] for c in ref])  # [T, B, K]
     v_final = np.stack([value_fn(c["final_obs"]) for c in ref])  # [T, B]
-    want = rewards + gamma * v_final[..., None] * trunc
-    np.testing.assert_allclose(np.asarray(traj.rewards)[0], want, rtol=1e-6)
-    zeros = np.zeros((1, Bn, K), bool)
     terms = np.stack([c["terminations"] for c in ref])
+    # The env's rewards as given; the targets' chunk rewards add gamma * V(final obs) at
+    # a chunk's first end where that is a truncation.
+    np.testing.assert_array_equal(np.asarray(traj.rewards)[0], rewards)
+    targets = jaxtraj.trajectory_targets(plan, traj)
+    want = chunk_rewards(rewards, terms, trunc, v_final, gamma)
+    np.testing.assert_allclose(np.asarray(targets.rewards)[0], want, rtol=1e-5, atol=1e-5)
+    zeros = np.zeros((1, Bn, K), bool)
     np.testing.assert_array_equal(np.asarray(traj.truncations)[0], np.concatenate([zeros, trunc]))
     np.testing.assert_array_equal(np.asarray(traj.terminations)[0], np.concatenate([zeros, terms]))
     np.testing.assert_array_equal(np.asarray(traj.dones)[0], np.concatenate([zeros, terms | trunc]))
@@ -624,8 +651,8 @@ def test_runner_over_an_adapter_with_terminal_inference_equals_the_reference(
     episodes ending mid-chunk by termination and by truncation) in a host runner whose
     value_fn runs terminal inference on the policy side; called once per training step (two steps, the env
     carried across them). The Trajectories equal the reference loop over single envs
-    field by field: observations, rewards (with gamma * V(final obs) at truncations),
-    the [T+1] flags and prev_values[T] = V(s_T). (DecoupledRunner's policy halves carry
+    field by field: observations, rewards (the chunk rewards of the targets with gamma *
+    V(final obs) at truncations), the [T+1] flags and prev_values[T] = V(s_T). (DecoupledRunner's policy halves carry
     the observation its pipelined inference saw, one chunk stale by design: its
     observations and pre-action values are not the reference's.)"""
     from gymnasium.vector import AutoresetMode
@@ -643,13 +670,13 @@ def test_runner_over_an_adapter_with_terminal_inference_equals_the_reference(
         pool = envpool.make(
             "Hopper-v4", env_type="gymnasium", num_envs=Bn, seed=SEED, max_episode_steps=6
         )
-        env = EnvPoolEnv(pool, actions_per_chunk=K)
+        env = EnvPoolEnv(pool, actions_per_chunk=K, chunk_end=MODE)
     else:  # gymnasium's Hopper-v5 in either autoreset mode, through GymnasiumEnv
         makers = [lambda: gym.make("Hopper-v5", max_episode_steps=6)] * Bn
         first, ref = reference(makers, [SEED, SEED + 1], actions)
         mode = getattr(AutoresetMode, source)
         vec = hopper_vec(gym, mode, batch=Bn, max_steps=6)
-        env = GymnasiumEnv(vec, actions_per_chunk=K, seed=SEED)
+        env = GymnasiumEnv(vec, actions_per_chunk=K, seed=SEED, chunk_end=MODE)
     calls = iter(range(steps * T))
 
     def policy_fn(params, obs, rng):  # replays the reference's actions, in chunk order
@@ -680,8 +707,10 @@ def test_runner_over_an_adapter_with_terminal_inference_equals_the_reference(
         at = slice(s * T, (s + 1) * T)
         if runner_name == "AsyncRunner":
             np.testing.assert_array_equal(np.asarray(traj.obs["state"])[0], obs_ref[at])
-        want = rewards[at] + gamma * v_final[at, :, None] * trunc[at]
-        np.testing.assert_allclose(np.asarray(traj.rewards)[0], want, rtol=1e-6)
+        np.testing.assert_array_equal(np.asarray(traj.rewards)[0], rewards[at])
+        want = chunk_rewards(rewards[at], terms[at], trunc[at], v_final[at], gamma)
+        targets = jaxtraj.trajectory_targets(plan, traj)
+        np.testing.assert_allclose(np.asarray(targets.rewards)[0], want, rtol=1e-5, atol=1e-5)
         before = np.zeros((1, Bn, K), bool) if s == 0 else None
         for name, flags in (("truncations", trunc), ("terminations", terms)):
             prev = before if s == 0 else flags[s * T - 1][None]

@@ -1,22 +1,32 @@
 """An EnvPool pool (host API) as a runner's :class:`~jaxtraj.runners.service.Env`.
 
-:class:`EnvPoolEnv` executes one action chunk ``[B, K, A]`` as ``K`` steps of a pool made
-with ``envpool.make(task, env_type="gymnasium", num_envs=B, seed=...)``, with the same
-chunk semantics as :class:`~jaxtraj.envs.GymnasiumEnv`: every action is executed, an
-environment whose episode ends at action ``k`` is reset at once and runs actions
-``k + 1 ..`` in the new episode, flags are per action ``[B, K]``, ``final_obs`` is the
-observation the last episode of the chunk ended on.
+:class:`EnvPoolEnv` executes one action chunk ``[B, K, A]`` as up to ``K`` steps of a
+pool made with ``envpool.make(task, env_type="gymnasium", num_envs=B, seed=...)``, with
+the same chunk semantics as :class:`~jaxtraj.envs.GymnasiumEnv`: flags are per action
+``[B, K]``, ``final_obs`` is the observation the chunk's first episode end left, and
+after an episode ends at action ``k`` (``chunk_end``):
+
+- ``"cut"`` (the default): that environment executes nothing more in the chunk. Each
+  step is one of EnvPool's partial steps, ``pool.step(actions[live], env_id=live)``, of
+  the environments still live; slots ``k + 1 ..`` are padding (``valid_actions``
+  false, reward 0, flags false, info zeros); the ended environments are reset with
+  ``pool.reset(ended_env_ids)`` at the chunk's end, so the next chunk's policy sees the
+  reset observation.
+- ``"continue"``: every action is executed; the environment is reset right after the
+  step that ended it and runs actions ``k + 1 ..`` in the new episode (not part of the
+  ended chunk's return).
 
 EnvPool auto-resets on the *next* step (the step after a done ignores its action,
 returns the reset observation and reward 0). This adapter instead calls
-``pool.reset(ended_env_ids)`` right after the step that ended them: that returns the
-same observation the autoreset would, and the next step executes its action normally,
-so no action is lost to a reset step.
+``pool.reset(ended_env_ids)`` itself: that returns the same observation the autoreset
+would, and the next step executes its action normally, so no action is lost to a reset
+step in either mode.
 
 Casting, once here: float observation leaves (EnvPool's are float64) to ``obs_dtype``,
 rewards (float32) to ``reward_dtype``, actions to the action space's dtype (MuJoCo
 tasks: float64). Only the synchronous mode (``batch_size == num_envs``) is served; its
-rows come back in ``env_id`` order, which every step asserts.
+rows (of a full or a partial step, and of a reset) come back in ``env_id`` order, which
+every step asserts.
 
 This module imports no envpool at import time.
 """
@@ -26,10 +36,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import jax
 import numpy as np
 
-from jaxtraj.envs.gymnasium import ChunkEnv, require
+from jaxtraj.envs.gymnasium import ChunkEnv, _replace_rows, require
 
 PyTree = Any
 
@@ -49,10 +58,12 @@ class EnvPoolEnv(ChunkEnv):
       info_keys: as for :class:`~jaxtraj.envs.GymnasiumEnv`.
       success: as for :class:`~jaxtraj.envs.GymnasiumEnv`.
       policy_example: as for :class:`~jaxtraj.envs.GymnasiumEnv`.
+      chunk_end: ``"cut"`` (default) or ``"continue"``; see the module docstring.
 
     Raises:
       ValueError: an asynchronous pool (``batch_size < num_envs``), an unsupported
-        observation space, or spaces that do not match ``policy_example``.
+        observation space, spaces that do not match ``policy_example``, or an unknown
+        ``chunk_end``.
       ImportError: envpool is not installed (the ``envpool`` extra).
     """
 
@@ -68,6 +79,7 @@ class EnvPoolEnv(ChunkEnv):
         info_keys: Sequence[str] = (),
         success: str | None = None,
         policy_example: Any = None,
+        chunk_end: str = "cut",
     ):
         require("envpool", "envpool", "jaxtraj.envs.EnvPoolEnv")
         config = getattr(pool, "config", None)
@@ -96,6 +108,7 @@ class EnvPoolEnv(ChunkEnv):
             info_keys=info_keys,
             reward_dtype=reward_dtype,
             success=success,
+            chunk_end=chunk_end,
         )
         self.pool = pool
         self._ids = np.arange(num_envs)
@@ -134,17 +147,24 @@ class EnvPoolEnv(ChunkEnv):
             obs = _replace_rows(last, ended, fresh)  # new arrays: last keeps the ended ones
         return obs, r, term, trunc, last, kept
 
+    def _step_rows(self, rows: np.ndarray, actions: np.ndarray) -> tuple:
+        # A partial step of a synchronous pool: only the env_ids given step.
+        raw, r, term, trunc, info = self.pool.step(actions, env_id=rows)
+        self._rows(info, rows, "step")
+        kept = {}
+        present = np.ones((rows.size,), bool)
+        for name in self._kept_keys:
+            if name in info:
+                kept[name] = (np.asarray(info[name]), present)
+        return self._convert(raw), r, term, trunc, kept
+
+    def _reset_rows(self, rows: np.ndarray) -> Any:
+        fresh, info = self.pool.reset(rows)
+        self._rows(info, rows, "reset")
+        return self._convert(fresh)
+
     def close(self) -> None:
         """Close the pool (EnvPool pools have no close; the reference is dropped)."""
         close = getattr(self.pool, "close", None)
         if callable(close):
             close()
-
-
-def _replace_rows(tree: PyTree, rows: np.ndarray, new: PyTree) -> PyTree:
-    def one(x, y):
-        x = np.array(x, copy=True)
-        x[rows] = y
-        return x
-
-    return jax.tree.map(one, tree, new)

@@ -1,6 +1,6 @@
 """A gymnasium ``VectorEnv`` as a runner's :class:`~jaxtraj.runners.service.Env`.
 
-:class:`GymnasiumEnv` executes one action chunk ``[B, K, A]`` as ``K`` steps of a
+:class:`GymnasiumEnv` executes one action chunk ``[B, K, A]`` as up to ``K`` steps of a
 gymnasium (>= 1.1) vector env of ``B`` sub-environments and reports what happened as an
 :class:`~jaxtraj.runners.service.EnvStep`: per-action rewards, terminations and
 truncations ``[B, K]``, the observation the next chunk's policy sees, the observation an
@@ -8,19 +8,31 @@ episode ended on (``final_obs``, for terminal inference on the policy side) and,
 asked, the observation each action was taken from (``action_obs``) and per-action
 ``info`` values.
 
-Chunk semantics (the same as the in-jit synchronous runner's, which auto-resets inside
-its chunk scan):
+What happens after an episode ends inside a chunk is the adapter's ``chunk_end``:
 
-- every action of the chunk is executed;
-- an environment whose episode ends at action ``k`` is reset at once, and its actions
-  ``k + 1 ..`` run in the new episode (action ``k + 1``'s observation is the new
-  episode's first);
-- flags are per action ``[B, K]``: a chunk is done if any of its actions is;
-- ``final_obs`` is, per environment, the observation its last episode in the chunk
-  ended on, or ``obs`` where no episode ended.
+- ``"cut"`` (the default for a ``SyncVectorEnv``): an environment whose episode ends at
+  action ``k`` executes nothing more in this chunk. Its slots ``k + 1 ..`` are padding:
+  ``valid_actions`` false, reward 0, flags and success false, info zeros. It is reset at
+  the chunk's end, so ``obs`` (the next chunk's observation) is the new episode's first
+  and ``final_obs`` the one the episode ended on. ``EnvStep.transition.valid_actions``
+  ``[B, K]`` says which actions ran (all of them where nothing ended). The adapter steps
+  the live sub-environments itself (``vector_env.envs[i].step``; ``vector_env.step`` is
+  never called, so the autoreset mode does not matter) and resets the ended ones with
+  ``vector_env.reset(options={"reset_mask": ended})``, which continues their random
+  streams as an autoreset would.
+- ``"continue"`` (the default, and the only mode, for an ``AsyncVectorEnv``): every
+  action is executed; an environment whose episode ends at action ``k`` is reset at once
+  and its actions ``k + 1 ..`` run in the new episode (action ``k + 1``'s observation
+  is the new episode's first); no ``valid_actions``. Those actions are not part of the
+  ended chunk's return (the chunk-end rule, ``EnvTransition.owned_actions``).
 
-The vector env's autoreset mode (``metadata["autoreset_mode"]``) is served as follows,
-and all three give the same trajectory from the same seeds and actions:
+In both modes flags are per action ``[B, K]`` (a chunk is done if any of its actions
+is) and ``final_obs`` is, per environment, the observation the chunk's *first* episode
+end left (the one whose ``V`` bootstraps the chunk), or ``obs`` where no episode ended.
+
+Under ``"continue"`` the vector env's autoreset mode (``metadata["autoreset_mode"]``) is
+served as follows, and all three give the same trajectory from the same seeds and
+actions:
 
 - ``SAME_STEP``: native; the ended episode's observation is ``info["final_obs"]``;
 - ``NEXT_STEP`` and ``DISABLED``: the ended environments are reset right after the step
@@ -74,6 +86,16 @@ def require(module: str, extra: str, who: str) -> Any:
         ) from e
 
 
+CHUNK_ENDS = ("cut", "continue")
+
+
+def check_chunk_end(chunk_end: Any, who: str) -> str:
+    """``chunk_end`` validated: ``"cut"`` or ``"continue"``, else ValueError naming it."""
+    if not isinstance(chunk_end, str) or chunk_end not in CHUNK_ENDS:
+        raise ValueError(f"{who}: chunk_end must be 'cut' or 'continue', got {chunk_end!r}")
+    return chunk_end
+
+
 # --------------------------------------------------------------------------- spec
 
 
@@ -87,7 +109,8 @@ class EnvSpec:
       actions: the action chunk ``[B, K, *action_shape]`` in the action space's dtype
         (what the env executes; a policy may give any dtype that casts to it).
       transition: an :class:`EnvTransition` of rewards, terminations and truncations
-        ``[B, K]``.
+        ``[B, K]`` (and ``success`` when asked for, ``valid_actions`` ``[B, K]`` bool
+        under ``chunk_end="cut"``).
       action_obs: leaves ``[B, K, ...]`` when the adapter keeps per-action
         observations, else ``None``.
     """
@@ -254,10 +277,30 @@ def _rows_where(mask: np.ndarray, x: PyTree, y: PyTree) -> PyTree:
     return jax.tree.map(pick, x, y)
 
 
+def _replace_rows(tree: PyTree, rows: np.ndarray, new: PyTree) -> PyTree:
+    """``tree`` with ``rows`` replaced by ``new`` (fresh arrays; ``tree`` untouched)."""
+
+    def one(x, y):
+        x = np.array(x, copy=True)
+        x[rows] = y
+        return x
+
+    return jax.tree.map(one, tree, new)
+
+
+def _stack_obs(items: Sequence[Any]) -> PyTree:
+    """Single environments' observations (arrays or nested mappings) -> one batch."""
+    first = items[0]
+    if hasattr(first, "items"):
+        return {k: _stack_obs([x[k] for x in items]) for k in first}
+    return np.stack([np.asarray(x) for x in items])
+
+
 class ChunkEnv:
     """What the adapters share: chunk execution over a one-step function, casting,
     the spec, the spaces check. Subclasses set the attributes below and implement
-    :meth:`_reset_all` and :meth:`_step_once`."""
+    :meth:`_reset_all`, :meth:`_step_once` (``chunk_end="continue"``) and, where they
+    can cut a chunk, :meth:`_step_rows` and :meth:`_reset_rows`."""
 
     num_envs: int
     actions_per_chunk: int
@@ -272,8 +315,10 @@ class ChunkEnv:
     def _setup(
         self, *, num_envs, obs_space, action_space, obs_is_dict, obs_dtype, obs_key,
         actions_per_chunk, per_action_obs, info_keys, reward_dtype, success=None,
+        chunk_end="continue",
     ):
         """The options both adapters share, and what the spaces (one sub-env's) imply."""
+        self.chunk_end = check_chunk_end(chunk_end, type(self).__name__)
         if int(actions_per_chunk) < 1:
             raise ValueError(f"actions_per_chunk must be >= 1, got {actions_per_chunk}")
         if isinstance(info_keys, str):
@@ -309,6 +354,7 @@ class ChunkEnv:
             terminations=flags,
             truncations=flags,
             success=None if self.success is None else flags,
+            valid_actions=flags if self.chunk_end == "cut" else None,
         )
         action_obs = None
         if self.per_action_obs:
@@ -359,24 +405,13 @@ class ChunkEnv:
         rewards = np.zeros((B, K), self._reward_dtype)
         terms, truncs = np.zeros((B, K), bool), np.zeros((B, K), bool)
         info = {name: [None] * K for name in self._kept_keys}
-        obs = self._obs
         action_obs = [] if self.per_action_obs else None
-        final, ended = None, np.zeros((B,), bool)
-        for k in range(K):
-            if action_obs is not None:
-                action_obs.append(obs)
-            obs, r, term, trunc, last, inf = self._step_once(actions[:, k])
-            with np.errstate(over="ignore", invalid="ignore"):
-                rewards[:, k] = r
-            terms[:, k], truncs[:, k] = term, trunc
-            done = term | trunc
-            if done.any():  # the last episode end of the chunk wins
-                final = last if final is None else _rows_where(done, last, final)
-                ended |= done
-            for name in self._kept_keys:
-                info[name][k] = inf.get(name)
+        if self.chunk_end == "cut":
+            obs, final_obs, valid = self._cut_chunk(actions, rewards, terms, truncs, info, action_obs)
+        else:
+            obs, final_obs = self._continue_chunk(actions, rewards, terms, truncs, info, action_obs)
+            valid = None
         self._obs = obs
-        final_obs = obs if final is None else _rows_where(ended, final, obs)
         if action_obs is not None:
             action_obs = jax.tree.map(lambda *xs: np.stack(xs, axis=1), *action_obs)
         stacked = self._stack_info(info) if self._kept_keys else {}
@@ -387,13 +422,76 @@ class ChunkEnv:
             success = stacked[self.success] != 0
         return EnvStep(
             transition=EnvTransition(
-                rewards=rewards, terminations=terms, truncations=truncs, success=success
+                rewards=rewards,
+                terminations=terms,
+                truncations=truncs,
+                success=success,
+                valid_actions=valid,
             ),
             obs=obs,
             final_obs=final_obs,
             action_obs=action_obs,
             info={n: stacked[n] for n in self.info_keys} if self.info_keys else None,
         )
+
+    def _continue_chunk(self, actions, rewards, terms, truncs, info, action_obs):
+        """Every action executed, ended environments reset at once -> ``(obs, final_obs)``;
+        fills ``rewards``, ``terms``, ``truncs``, ``info`` and ``action_obs`` in place."""
+        obs = self._obs
+        final, ended = None, np.zeros((self.num_envs,), bool)
+        for k in range(self.actions_per_chunk):
+            if action_obs is not None:
+                action_obs.append(obs)
+            obs, r, term, trunc, last, inf = self._step_once(actions[:, k])
+            with np.errstate(over="ignore", invalid="ignore"):
+                rewards[:, k] = r
+            terms[:, k], truncs[:, k] = term, trunc
+            done = term | trunc
+            if done.any():  # the first episode end of the chunk is its final_obs
+                first = done & ~ended
+                final = last if final is None else _rows_where(first, last, final)
+                ended |= done
+            for name in self._kept_keys:
+                info[name][k] = inf.get(name)
+        final_obs = obs if final is None else _rows_where(ended, final, obs)
+        return obs, final_obs
+
+    def _cut_chunk(self, actions, rewards, terms, truncs, info, action_obs):
+        """Only live environments step; an ended one pads the rest of the chunk and is
+        reset at its end -> ``(obs, final_obs, valid_actions [B, K])``; fills the rest in
+        place (padding slots stay zero)."""
+        B, K = self.num_envs, self.actions_per_chunk
+        obs = self._obs
+        live = np.ones((B,), bool)
+        valid = np.zeros((B, K), bool)
+        for k in range(K):
+            if action_obs is not None:  # padding slots: the observation the episode ended on
+                action_obs.append(obs)
+            rows = np.flatnonzero(live)
+            if rows.size == 0:
+                continue
+            o, r, term, trunc, inf = self._step_rows(rows, actions[rows, k])
+            term, trunc = np.asarray(term, bool), np.asarray(trunc, bool)
+            valid[rows, k] = True
+            with np.errstate(over="ignore", invalid="ignore"):
+                rewards[rows, k] = r
+            terms[rows, k], truncs[rows, k] = term, trunc
+            obs = o if rows.size == B else _replace_rows(obs, rows, o)
+            live[rows[term | trunc]] = False
+            for name in self._kept_keys:
+                got = inf.get(name)
+                if got is not None:
+                    values, present = np.asarray(got[0]), np.asarray(got[1], bool)
+                    full = np.zeros((B,), values.dtype)
+                    full[rows] = values
+                    seen = np.zeros((B,), bool)
+                    seen[rows] = present
+                    info[name][k] = (full, seen)
+        final_obs = obs
+        ended = np.flatnonzero(~live)
+        if ended.size:
+            obs = _replace_rows(obs, ended, self._reset_rows(ended))
+        return obs, final_obs, valid
 
     def close(self) -> None:
         raise NotImplementedError
@@ -429,10 +527,22 @@ class ChunkEnv:
         raise NotImplementedError
 
     def _step_once(self, actions: np.ndarray) -> tuple:
-        """One step of every env -> ``(obs, rewards [B], terminations [B],
-        truncations [B], last_obs, info)``: ``obs`` after resetting the ended envs,
-        ``last_obs`` the step's observation before any reset (read on ended rows), and
-        ``info`` ``{name: (values [B], present [B] bool)}`` for the kept info keys."""
+        """``chunk_end="continue"``: one step of every env -> ``(obs, rewards [B],
+        terminations [B], truncations [B], last_obs, info)``: ``obs`` after resetting the
+        ended envs, ``last_obs`` the step's observation before any reset (read on ended
+        rows), and ``info`` ``{name: (values [B], present [B] bool)}`` for the kept info
+        keys."""
+        raise NotImplementedError
+
+    def _step_rows(self, rows: np.ndarray, actions: np.ndarray) -> tuple:
+        """``chunk_end="cut"``: one step of the envs ``rows`` (ascending), no reset ->
+        ``(obs [n, ...], rewards [n], terminations [n], truncations [n], info)`` with
+        ``info`` ``{name: (values [n], present [n] bool)}``."""
+        raise NotImplementedError
+
+    def _reset_rows(self, rows: np.ndarray) -> PyTree:
+        """``chunk_end="cut"``: reset the envs ``rows`` (ascending, no seed: their random
+        streams continue) -> their cast observations ``[n, ...]``."""
         raise NotImplementedError
 
 
@@ -507,12 +617,24 @@ class GymnasiumEnv(ChunkEnv):
     """A gymnasium (>= 1.1) ``VectorEnv`` of ``B`` sub-environments stepped ``K``
     actions per chunk: a runner's :class:`~jaxtraj.runners.service.Env`.
 
-    One chunk ``[B, K, A]`` is ``K`` vector-env steps. Every action is executed; an
-    environment whose episode ends at action ``k`` is reset at once and runs actions
-    ``k + 1 ..`` in its new episode (what the in-jit synchronous runner does); flags are
-    per action ``[B, K]``. ``SAME_STEP``, ``NEXT_STEP`` and ``DISABLED`` autoreset modes
-    all give this (``NEXT_STEP`` / ``DISABLED`` by resetting ended envs right after the
-    step with ``reset_mask``), the same trajectory from the same seeds and actions.
+    One chunk ``[B, K, A]`` is up to ``K`` steps of each sub-environment; flags are per
+    action ``[B, K]``; ``final_obs`` is the observation of each environment's first
+    episode end in the chunk. After an episode ends at action ``k`` (``chunk_end``):
+
+    - ``"cut"`` (default for a ``SyncVectorEnv``): that environment executes nothing
+      more in the chunk (slots ``k + 1 ..``: ``valid_actions`` false, reward 0, flags
+      false) and is reset at the chunk's end, so the next chunk's policy sees the reset
+      observation. The adapter steps ``vector_env.envs[i]`` itself (never
+      ``vector_env.step``: any autoreset mode) and resets with
+      ``vector_env.reset(options={"reset_mask": ended})``. Vector-level wrappers would
+      be bypassed, so a wrapped vector env (no ``envs``) defaults to ``"continue"``;
+      wrap the single environments instead (``make_vec(..., wrappers=[...])``).
+    - ``"continue"`` (default, and the only mode, for an ``AsyncVectorEnv`` or a wrapped
+      vector env): every action is executed; the environment is reset at once and runs
+      actions ``k + 1 ..`` in its new episode (not part of the ended chunk's return).
+      ``SAME_STEP``, ``NEXT_STEP`` and ``DISABLED`` autoreset modes all give this
+      (``NEXT_STEP`` / ``DISABLED`` by resetting ended envs right after the step with
+      ``reset_mask``), the same trajectory from the same seeds and actions.
 
     Casting, once here: float observation leaves to ``obs_dtype`` (integer leaves such
     as images keep theirs), rewards to ``reward_dtype``, actions to the action space's
@@ -539,10 +661,14 @@ class GymnasiumEnv(ChunkEnv):
         take no seed.
       policy_example: a collector, policy example or ``(policy, env)`` example pair to
         check the spaces against at construction (:meth:`check_against`).
+      chunk_end: ``"cut"`` or ``"continue"`` (see above); ``None``: ``"cut"`` for a
+        ``SyncVectorEnv``, else ``"continue"``.
 
     Raises:
       ValueError: an autoreset mode this adapter cannot serve, an unsupported
-        observation space, or spaces that do not match ``policy_example``.
+        observation space, spaces that do not match ``policy_example``, an unknown
+        ``chunk_end``, or ``"cut"`` for a vector env whose sub-environments are not in
+        this process (``AsyncVectorEnv``) or that is wrapped.
       ImportError: gymnasium is not installed (the ``gymnasium`` extra).
     """
 
@@ -559,6 +685,7 @@ class GymnasiumEnv(ChunkEnv):
         success: str | None = None,
         seed: int | None = None,
         policy_example: Any = None,
+        chunk_end: str | None = None,
     ):
         gym = require("gymnasium", "gymnasium", "jaxtraj.envs.GymnasiumEnv")
         vector = importlib.import_module("gymnasium.vector")
@@ -566,6 +693,19 @@ class GymnasiumEnv(ChunkEnv):
             raise TypeError(
                 f"GymnasiumEnv takes a gymnasium.vector.VectorEnv, got {type(vector_env).__name__}"
                 " (gymnasium.make_vec(...) makes one)"
+            )
+        own = isinstance(vector_env, vector.SyncVectorEnv)  # its sub-envs, here and unwrapped
+        if chunk_end is None:
+            chunk_end = "cut" if own else "continue"
+        check_chunk_end(chunk_end, "GymnasiumEnv")
+        if chunk_end == "cut" and not own:
+            raise ValueError(
+                f"GymnasiumEnv: chunk_end='cut' steps only the sub-environments still live in "
+                f"a chunk, which needs them in this process: a gymnasium SyncVectorEnv "
+                f"(gymnasium.make_vec(..., vectorization_mode='sync'), wrappers on the single "
+                f"envs), not a {type(vector_env).__name__}. Use chunk_end='continue' with it "
+                f"(an episode's end resets at once; the chunk's remaining actions run in the "
+                f"new episode)"
             )
         space = vector_env.single_observation_space
         self._setup(
@@ -580,6 +720,7 @@ class GymnasiumEnv(ChunkEnv):
             info_keys=info_keys,
             reward_dtype=reward_dtype,
             success=success,
+            chunk_end=chunk_end,
         )
         self.env = vector_env
         self.seed = seed
@@ -650,6 +791,32 @@ class GymnasiumEnv(ChunkEnv):
                 raw, _ = self.env.reset(options={"reset_mask": done.copy()})
                 obs = self._convert(raw)
         return obs, r, term, trunc, last, kept
+
+    def _step_rows(self, rows: np.ndarray, actions: np.ndarray) -> tuple:
+        envs = self.env.envs
+        steps = [envs[i].step(a) for i, a in zip(rows.tolist(), actions)]
+        obs = self._convert(_stack_obs([s[0] for s in steps]))
+        r = np.asarray([s[1] for s in steps])
+        term = np.asarray([bool(s[2]) for s in steps])
+        trunc = np.asarray([bool(s[3]) for s in steps])
+        kept = {}
+        for name in self._kept_keys:  # each sub-env's own info: the ending step's included
+            got = [(j, s[4][name]) for j, s in enumerate(steps) if name in s[4]]
+            if got:
+                values = np.zeros((rows.size,), np.asarray(got[0][1]).dtype)
+                present = np.zeros((rows.size,), bool)
+                for j, v in got:
+                    values[j], present[j] = v, True
+                kept[name] = (values, present)
+        return obs, r, term, trunc, kept
+
+    def _reset_rows(self, rows: np.ndarray) -> PyTree:
+        mask = np.zeros((self.num_envs,), bool)
+        mask[rows] = True
+        # Exactly the masked sub-envs, seed None (their streams continue); the rows of
+        # the others are the vector's stale buffers and are not read.
+        raw, _ = self.env.reset(options={"reset_mask": mask})
+        return jax.tree.map(lambda x: x[rows], self._convert(raw))
 
     def close(self) -> None:
         """Close the vector env."""
