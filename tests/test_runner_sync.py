@@ -1,5 +1,8 @@
 """The synchronous runner: its trajectory equals a plain Python loop over the same env
-with the same keys; one compiled call per training step; no retrace on the next call."""
+with the same keys; one compiled call per training step; no retrace on the next call.
+
+These run chunk_end="continue" (every action runs, auto-reset inside the chunk);
+tests/test_chunk_end.py checks the default, "cut"."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from jaxtraj.runners import sync
 
 B, K, A, T, E = 5, 3, 2, 4, 2
 GAMMA = 0.9
+MODE = "continue"
 
 
 @struct.dataclass
@@ -100,7 +104,8 @@ def reference(env, env_params, params, carry, step_id=0):
                     keys, env_state, po.actions[:, k], env_params
                 )
                 done = np.asarray(term | trunc)
-                final[done] = np.asarray(info["final_observation"])[done]
+                first = done & ~ended  # V of the chunk's first end bootstraps it
+                final[first] = np.asarray(info["final_observation"])[first]
                 ended |= done
                 rs.append(np.asarray(r))
                 ts.append(np.asarray(term))
@@ -121,7 +126,9 @@ def make(five_tuple=False, limit=4):
     env = RandomWalk(limit=limit, five_tuple=five_tuple)
     env_params = jnp.float32(1.0)
     plan = TrajectoryPlan(num_chunks=T, num_epochs=E, batch_size=B, gamma=GAMMA)
-    pe, ve = sync.example_parts(env, env_params, policy_fn, value_fn, PARAMS, B, K)
+    pe, ve = sync.example_parts(
+        env, env_params, policy_fn, value_fn, PARAMS, B, K, chunk_end=MODE
+    )
     state = jaxtraj.init(plan, pe, ve)
     carry = sync.reset(env, env_params, jax.random.PRNGKey(7), B, K)
     return env, env_params, plan, state, carry
@@ -131,7 +138,7 @@ def make(five_tuple=False, limit=4):
 def test_trajectory_equals_a_python_loop(five_tuple):
     env, env_params, plan, state, carry = make(five_tuple)
     ref = reference(RandomWalk(), env_params, PARAMS, carry)  # same dynamics, six-tuple
-    collect = sync.make_collect(plan, env, env_params, policy_fn, value_fn)
+    collect = sync.make_collect(plan, env, env_params, policy_fn, value_fn, chunk_end=MODE)
     state, carry2 = collect(state, carry, PARAMS)
     jaxtraj.raise_if_error(state)
     assert bool(jaxtraj.rollout.ready(state))
@@ -148,9 +155,17 @@ def test_trajectory_equals_a_python_loop(five_tuple):
     np.testing.assert_allclose(traj.prev_logprobs, ref["logp"], rtol=1e-5, atol=1e-5)
     values = np.concatenate([ref["values"], ref["final"][:, -1:]], axis=1)
     np.testing.assert_allclose(traj.prev_values, values, rtol=1e-5, atol=1e-5)
-    # Truncations bootstrap from V(final pre-reset obs); terminations never do.
-    rewards = ref["rewards"] + GAMMA * ref["final"][..., None] * trunc
-    np.testing.assert_allclose(traj.rewards, rewards, rtol=1e-5, atol=1e-5)
+    # The Trajectory keeps the env's rewards; the targets' chunk rewards sum the actions
+    # up to the chunk's first end and bootstrap a truncation there from V(final
+    # pre-reset obs); terminations never do.
+    np.testing.assert_allclose(traj.rewards, ref["rewards"], rtol=1e-5, atol=1e-5)
+    assert traj.valid_actions is None
+    done = term | trunc
+    owned = np.cumsum(done, -1) - done == 0
+    cut_first = (trunc & done & owned).any(-1)
+    chunk = (ref["rewards"] * owned).sum(-1) + GAMMA * ref["final"] * cut_first
+    targets = jaxtraj.trajectory_targets(plan, traj)
+    np.testing.assert_allclose(targets.rewards, chunk, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(
         traj.terminations, np.concatenate([ref["d0_term"][:, None], term], 1)
     )
@@ -170,7 +185,7 @@ def test_one_compiled_call_without_retrace():
     counted_policy = chex.assert_max_traces(policy_fn, n=2)
 
     env, env_params, plan, state, carry = make()
-    collect = sync.make_collect(plan, env, env_params, counted_policy, value_fn)
+    collect = sync.make_collect(plan, env, env_params, counted_policy, value_fn, chunk_end=MODE)
     flush = jax.jit(jaxtraj.rollout.flush, static_argnums=0, donate_argnums=1)
     steps = []
     for _ in range(3):
@@ -184,7 +199,9 @@ def test_one_compiled_call_without_retrace():
     # The whole training step is one jitted program: a scan over epochs around a scan
     # over chunks, with the inserts inside.
     jaxpr = jax.make_jaxpr(
-        lambda s, c: sync.collect(plan, env, env_params, policy_fn, value_fn, s, c, PARAMS)
+        lambda s, c: sync.collect(
+            plan, env, env_params, policy_fn, value_fn, s, c, PARAMS, chunk_end=MODE
+        )
     )(state, carry)
     assert [e.primitive.name for e in jaxpr.eqns].count("scan") == 1
     assert "scatter" in str(jaxpr)  # the inserts: in-place writes whose window a rejected part drops
@@ -195,18 +212,23 @@ def test_stacked_state_and_rollout_stacked_agree():
     produces the same parts."""
     env, env_params, _, _, carry = make()
     plan = TrajectoryPlan(num_chunks=T, num_epochs=E, batch_size=B, num_env_ranks=2, gamma=GAMMA)
-    pe, ve = sync.example_parts(env, env_params, policy_fn, value_fn, PARAMS, B, K)
+    pe, ve = sync.example_parts(
+        env, env_params, policy_fn, value_fn, PARAMS, B, K, chunk_end=MODE
+    )
     state = jaxtraj.init(plan, pe, ve)
     fn = jax.jit(
         lambda s, c: sync.collect(
-            plan, env, env_params, policy_fn, value_fn, s, c, PARAMS, env_rank=1
+            plan, env, env_params, policy_fn, value_fn, s, c, PARAMS, env_rank=1,
+            chunk_end=MODE,
         )
     )
     state, _ = fn(state, carry)
     jaxtraj.raise_if_error(state)
     np.testing.assert_array_equal(jaxtraj.rollout.ready(state), [False, True])
     first, rest, _ = jax.jit(
-        lambda c: sync.rollout_stacked(plan, env, env_params, policy_fn, value_fn, c, PARAMS)
+        lambda c: sync.rollout_stacked(
+            plan, env, env_params, policy_fn, value_fn, c, PARAMS, chunk_end=MODE
+        )
     )(carry)
     np.testing.assert_allclose(state.policy.obs[1][:, 0], first[0].obs)
     np.testing.assert_allclose(state.policy.obs[1][:, 1:], rest[0].obs)
@@ -231,19 +253,24 @@ def test_gymnax_pendulum_truncates_with_bootstrap():
     val = lambda params, obs: obs[:, 0] + 10.0
     plan = TrajectoryPlan(num_chunks=4, batch_size=3, gamma=1.0)
     with jax.numpy_rank_promotion("allow"):  # gymnax's Pendulum broadcasts [1] actions
-        pe, ve = sync.example_parts(env, env_params, pol, val, None, 3, k)
+        pe, ve = sync.example_parts(env, env_params, pol, val, None, 3, k, chunk_end=MODE)
         state = jaxtraj.init(plan, pe, ve)
         carry = sync.reset(env, env_params, jax.random.PRNGKey(0), 3, k)
-        state, _ = sync.make_collect(plan, env, env_params, pol, val)(state, carry, None)
+        collect = sync.make_collect(plan, env, env_params, pol, val, chunk_end=MODE)
+        state, _ = collect(state, carry, None)
         jaxtraj.raise_if_error(state)
         traj, _ = jaxtraj.rollout.flush(plan, state)
+        targets = jaxtraj.trajectory_targets(plan, traj)
     trunc = np.asarray(traj.truncations[0, 1:])  # [T, B, K]
     assert not np.asarray(traj.terminations).any()
     # 16 steps, limit 6: truncated after steps 6 and 12 (chunk 1 action 1, chunk 2 action 3).
     assert trunc[1, :, 1].all() and trunc[2, :, 3].all() and trunc.sum() == 2 * 3
-    # The bootstrap is V(final pre-reset obs) = cos(theta) + 10, added at the cut action.
-    boot = np.asarray(traj.rewards[0, 1, :, 1])
-    raw = np.asarray(state.env.transition.rewards[0, 1, :, 1])
+    # The bootstrap is V(final pre-reset obs) = cos(theta) + 10, added to the chunk's
+    # reward (its actions up to the cut one, summed; gamma = 1); the Trajectory keeps the
+    # env's rewards.
+    raw = np.asarray(state.env.transition.rewards[0, 1])  # [B, K]
+    np.testing.assert_allclose(np.asarray(traj.rewards[0, 1]), raw, rtol=1e-6)
     fv = np.asarray(state.env.final_values[0, 1])
-    np.testing.assert_allclose(boot, raw + fv, rtol=1e-5, atol=1e-5)
+    boot = np.asarray(targets.rewards[0, 1])
+    np.testing.assert_allclose(boot, raw[:, :2].sum(-1) + fv, rtol=1e-5, atol=1e-5)
     assert (fv > 8.9).all() and (fv < 11.1).all()

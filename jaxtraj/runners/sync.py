@@ -9,10 +9,10 @@ call of :func:`collect` runs a whole training step of one source: for each of ``
 
 1. runs policy inference, ``policy_fn(params, obs, key) -> PolicyOutput`` (actions
    ``[B, K, A]``, ``prev_logprobs``, ``prev_values [B]``);
-2. executes the ``K`` actions of the chunk in the environments (auto-reset inside the
-   chunk);
+2. executes the ``K`` actions of the chunk in the environments (see "Chunk ends"
+   below);
 3. runs terminal inference, ``value_fn(params, final_obs) -> [B]``: ``V`` of the
-   observation before the chunk's last reset where an episode ended in the chunk,
+   observation the chunk's first episode end left where an episode ended in the chunk,
    else of the current observation (on the last chunk, the bootstrap ``V(s_T)``);
 4. builds the chunk's ``PolicyPart`` and ``EnvPart`` under
    ``TrajectoryKey(step_id, epoch, env_rank, stage_id, chunk)`` (chunk 0 carries
@@ -21,6 +21,25 @@ call of :func:`collect` runs a whole training step of one source: for each of ``
 
 Everything is traced once; with :func:`make_collect` a training step of collection
 is one compiled call with the collector state donated.
+
+Chunk ends (``chunk_end``, an argument of :func:`collect`, :func:`make_collect`,
+:func:`rollout_stacked` and :func:`example_parts`; give all of them the same). For a
+gymnax-style environment:
+
+- ``"cut"`` (the default): an environment whose episode ends at action ``k`` is frozen
+  for the rest of the chunk: its env state and observation stay the post-reset ones
+  gymnax's auto-reset gave at action ``k`` (a ``jnp.where`` per row), so the next chunk
+  starts the new episode; slots ``k + 1 ..`` are padding (``valid_actions`` false,
+  reward 0, flags false). The env half carries ``valid_actions [B, K]``.
+- ``"continue"``: every action runs; the environment auto-resets at once and runs
+  actions ``k + 1 ..`` in the new episode (not part of the ended chunk's return); no
+  ``valid_actions``.
+
+Both step every environment with the same keys (action ``k`` with
+``jax.random.split(jax.random.fold_in(rng, k), B)``; a frozen row's step is computed and
+dropped), so ``"continue"`` gives the same trajectories as before the option existed.
+An :class:`EnvDriver` decides for itself (its ``chunk_end`` attribute, its
+``step_chunk``'s ``valid``): leave ``chunk_end`` ``None`` or give the driver's.
 
 Terminations and truncations: gymnax >= 1.0's ``step`` returns
 ``(obs, state, reward, terminated, truncated, info)`` with the pre-reset observation in
@@ -38,8 +57,10 @@ Env drivers. An object with ``step_chunk`` is taken as an :class:`EnvDriver` (it
 obs)`` starts ``num_envs`` environments (may run on the host, outside ``jit``),
 ``spec()`` gives the shapes and dtypes of ``init``'s results without running anything,
 and ``step_chunk(env_state, actions [B, K, A], rng) -> (env_state, obs, rewards [B, K],
-terminations [B, K], truncations [B, K], final_obs)`` executes a chunk, traceable. A
-gymnax environment is wrapped in the same protocol internally (:class:`GymnaxDriver`).
+terminations [B, K], truncations [B, K], final_obs[, valid])`` executes a chunk,
+traceable; the optional seventh element ``valid [B, K]`` bool (or ``None``) becomes the
+env half's ``EnvTransition.valid_actions``. A gymnax environment is wrapped in the same
+protocol internally (:class:`GymnaxDriver`).
 """
 
 from __future__ import annotations
@@ -100,6 +121,9 @@ class EnvDriver(Protocol):
     num_envs: int
     actions_per_chunk: int
 
+    # Optional: ``chunk_end``, "cut" or "continue", what the driver does after an
+    # episode ends inside a chunk (read by the runner to check its ``chunk_end``).
+
     def init(self, rng: jax.Array) -> tuple[Any, Any]:
         """Start the environments -> ``(env_state, obs [B, ...])``; may run on the host."""
         ...
@@ -110,9 +134,10 @@ class EnvDriver(Protocol):
 
     def step_chunk(self, env_state: Any, actions: jax.Array, rng: jax.Array) -> tuple:
         """Execute ``actions [B, K, A]`` (traceable) -> ``(env_state, obs, rewards [B, K],
-        terminations [B, K], truncations [B, K], final_obs)``; ``final_obs``: per
-        environment, the observation its last episode ended on in the chunk, else the
-        new observation."""
+        terminations [B, K], truncations [B, K], final_obs[, valid])``; ``final_obs``:
+        per environment, the observation its first episode end in the chunk left, else
+        the new observation; ``valid [B, K]`` bool: the actions that ran (``None`` or
+        absent: all of them)."""
         ...
 
 
@@ -126,11 +151,20 @@ class GymnaxDriver:
 
     ``init`` and ``step_chunk`` are traceable; the runner builds one of these from
     ``(env, env_params)`` inside its trace, so ``env_params`` may be traced.
+    ``chunk_end``: ``"cut"`` (default) or ``"continue"``, see the module docstring.
     """
 
-    def __init__(self, env: Any, env_params: Any, num_envs: int, actions_per_chunk: int):
+    def __init__(
+        self,
+        env: Any,
+        env_params: Any,
+        num_envs: int,
+        actions_per_chunk: int,
+        chunk_end: str = "cut",
+    ):
         self.env, self.env_params = env, env_params
         self.num_envs, self.actions_per_chunk = num_envs, actions_per_chunk
+        self.chunk_end = _check_chunk_end(chunk_end)
 
     def init(self, rng: jax.Array):
         obs, env_state = jax.vmap(self.env.reset, in_axes=(0, None))(
@@ -145,17 +179,36 @@ class GymnaxDriver:
         return jax.eval_shape(self.init, jax.random.PRNGKey(0))
 
     def step_chunk(self, env_state: Any, actions: jax.Array, rng: jax.Array):
-        return _gymnax_chunk(self.env, self.env_params, env_state, actions, rng)
+        return _gymnax_chunk(
+            self.env, self.env_params, env_state, actions, rng, chunk_end=self.chunk_end
+        )
 
 
-def _driver(env: Any, env_params: Any, num_envs: int, actions_per_chunk: int) -> EnvDriver:
+def _check_chunk_end(chunk_end: Any) -> str:
+    if not isinstance(chunk_end, str) or chunk_end not in ("cut", "continue"):
+        raise ValueError(f"chunk_end must be 'cut' or 'continue', got {chunk_end!r}")
+    return chunk_end
+
+
+def _driver(
+    env: Any, env_params: Any, num_envs: int, actions_per_chunk: int, chunk_end: Any = None
+) -> EnvDriver:
     if not is_driver(env):
-        return GymnaxDriver(env, env_params, num_envs, actions_per_chunk)
+        mode = "cut" if chunk_end is None else chunk_end
+        return GymnaxDriver(env, env_params, num_envs, actions_per_chunk, mode)
     if (env.num_envs, env.actions_per_chunk) != (num_envs, actions_per_chunk):
         raise ValueError(
             f"the env driver steps {env.num_envs} envs x {env.actions_per_chunk} actions "
             f"per chunk; the runner was asked for {num_envs} x {actions_per_chunk}"
         )
+    own = getattr(env, "chunk_end", None)
+    if chunk_end is not None:
+        _check_chunk_end(chunk_end)
+        if own is not None and own != chunk_end:
+            raise ValueError(
+                f"chunk_end={chunk_end!r}, but the env driver {type(env).__name__} does "
+                f"chunk_end={own!r} (a driver decides for itself: leave chunk_end None)"
+            )
     return env
 
 
@@ -190,63 +243,103 @@ def _env_step(env, env_params, key, env_state, action):
     return obs, env_state, reward, jnp.asarray(term, bool), jnp.asarray(trunc, bool), final
 
 
-def step_chunk(env: Any, env_params: Any, env_state: Any, obs: Any, actions: jax.Array, rng):
+def step_chunk(
+    env: Any,
+    env_params: Any,
+    env_state: Any,
+    obs: Any,
+    actions: jax.Array,
+    rng,
+    *,
+    chunk_end: str = "continue",
+):
     """Execute a chunk of actions in ``B`` auto-resetting gymnax environments.
 
     Args:
       actions: ``[B, K, A]``; action ``k`` of every environment is stepped with key
         ``jax.random.split(jax.random.fold_in(rng, k), B)``.
       obs: the current observation (unused: kept for the signature).
+      chunk_end: ``"continue"`` (default here, the auto-resetting chunk) or ``"cut"``
+        (an ended environment is frozen for the rest of the chunk).
 
     Returns:
       ``(env_state, obs, rewards [B, K], terminations [B, K], truncations [B, K],
-      final_obs)``: ``final_obs`` is, per environment, the observation before its last
-      reset in the chunk if an episode ended, else the new observation.
+      final_obs)`` (and ``valid [B, K]`` under ``"cut"``): ``final_obs`` is, per
+      environment, the observation before its first reset in the chunk if an episode
+      ended, else the new observation.
     """
     del obs
-    return _gymnax_chunk(env, env_params, env_state, actions, rng)
+    return _gymnax_chunk(env, env_params, env_state, actions, rng, chunk_end=chunk_end)
 
 
-def scan_chunk(step: Callable, env_state: Any, actions: jax.Array):
+def _rows_where(rows, x, y):
+    """Per row (leading axis ``B``) of every leaf: ``x`` where ``rows``, else ``y``."""
+    return jax.tree.map(
+        lambda a, b: jnp.where(rows.reshape(rows.shape + (1,) * (a.ndim - 1)), a, b), x, y
+    )
+
+
+def scan_chunk(step: Callable, env_state: Any, actions: jax.Array, *, chunk_end: str = "continue"):
     """Execute ``actions [B, K, A]`` one action at a time in a ``lax.scan``.
 
     A helper for writing an :class:`EnvDriver`'s ``step_chunk``.
 
     Args:
       step: ``(env_state, k, actions_k [B, A]) -> (env_state, obs, rewards [B],
-        terminations [B], truncations [B], last_obs)``; ``last_obs`` is the observation
-        an episode ended on (read only where one ended); ``k`` is the action's index.
+        terminations [B], truncations [B], last_obs[, valid [B]])``; ``last_obs`` is the
+        observation an episode ended on (read only where one ended); ``k`` is the
+        action's index; the optional ``valid`` says which environments executed the
+        action (EnvPool's reset step does not).
+      chunk_end: ``"continue"``: every step's results are kept. ``"cut"``: a row whose
+        episode ended keeps the env state and observation of that step (the post-reset
+        ones of an auto-resetting env) for the rest of the chunk, with reward 0, flags
+        false and ``valid`` false there; every leaf of ``env_state`` must then be
+        ``[B, ...]``.
 
     Returns:
       ``(env_state, obs, rewards [B, K], terminations [B, K], truncations [B, K],
-      final_obs)``: ``final_obs`` is, per environment, the observation its last episode
-      ended on in the chunk if one ended, else the new observation.
+      final_obs)``, and ``valid [B, K]`` bool when ``step`` gives ``valid`` or under
+      ``"cut"``: ``final_obs`` is, per environment, the observation its first episode
+      end in the chunk left if one ended, else the new observation.
     """
-    K = actions.shape[1]
+    _check_chunk_end(chunk_end)
+    cut = chunk_end == "cut"
+    K, B = actions.shape[1], actions.shape[0]
     xs = (jnp.arange(K, dtype=jnp.int32), jnp.swapaxes(actions, 0, 1))
     # The carried observations start as zeros of the step's shapes (computed abstractly,
     # nothing runs); the first action overwrites obs, an episode's end overwrites final.
     shapes = jax.eval_shape(step, env_state, xs[0][0], xs[1][0])
     zeros = lambda t: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), t)
-
-    def where(done, x, y):
-        return jax.tree.map(
-            lambda a, b: jnp.where(done.reshape(done.shape + (1,) * (a.ndim - 1)), a, b), x, y
-        )
+    gives_valid = len(shapes) > 6 and shapes[6] is not None
+    has_valid = gives_valid or cut
 
     def one(carry, x):
-        env_state, _, final = carry
-        env_state, obs, r, term, trunc, last = step(env_state, *x)
-        final = where(term | trunc, last, final)
-        return (env_state, obs, final), (r, term, trunc)
+        env_state, obs, final, ended = carry
+        out = step(env_state, *x)
+        new_state, new_obs, r, term, trunc, last = out[:6]
+        valid = jnp.asarray(out[6], bool) if gives_valid else jnp.ones((B,), bool)
+        term, trunc = jnp.asarray(term, bool), jnp.asarray(trunc, bool)
+        if cut:  # an ended row stays as its end left it: no step, nothing recorded
+            live = ~ended
+            new_state = _rows_where(live, new_state, env_state)
+            new_obs = _rows_where(live, new_obs, obs)
+            r = jnp.where(live, r, jnp.zeros_like(r))
+            term, trunc, valid = term & live, trunc & live, valid & live
+        done = term | trunc
+        final = _rows_where(done & ~ended, last, final)  # the chunk's first end
+        return (new_state, new_obs, final, ended | done), (r, term, trunc, valid)
 
-    init = (env_state, zeros(shapes[1]), zeros(shapes[5]))
-    (env_state, obs, final), (r, term, trunc) = lax.scan(one, init, xs)
-    final = where(jnp.any(term | trunc, axis=0), final, obs)
+    init = (env_state, zeros(shapes[1]), zeros(shapes[5]), jnp.zeros((B,), bool))
+    (env_state, obs, final, ended), (r, term, trunc, valid) = lax.scan(one, init, xs)
+    final = _rows_where(ended, final, obs)
+    if has_valid:
+        return env_state, obs, r.T, term.T, trunc.T, final, valid.T
     return env_state, obs, r.T, term.T, trunc.T, final
 
 
-def _gymnax_chunk(env: Any, env_params: Any, env_state: Any, actions: jax.Array, rng):
+def _gymnax_chunk(
+    env: Any, env_params: Any, env_state: Any, actions: jax.Array, rng, chunk_end="continue"
+):
     vstep = jax.vmap(lambda k, s, a: _env_step(env, env_params, k, s, a))
     B = actions.shape[0]
 
@@ -256,27 +349,31 @@ def _gymnax_chunk(env: Any, env_params: Any, env_state: Any, actions: jax.Array,
         )
         return env_state, obs, r, term, trunc, last
 
-    return scan_chunk(step, env_state, actions)
+    return scan_chunk(step, env_state, actions, chunk_end=chunk_end)
 
 
-def _chunk(env, env_params, policy_fn, value_fn, params, carry, key: TrajectoryKey, first):
+def _chunk(
+    env, env_params, policy_fn, value_fn, params, carry, key: TrajectoryKey, first, chunk_end
+):
     """One chunk: inference, execution, terminal inference -> ``(carry, policy, env)``."""
     rng, k_pol, k_env = jax.random.split(carry.rng, 3)
     B = carry.terminations.shape[0]
     # int32 like the key (a Python int would be int64 under jax_enable_x64)
     source = TrajectorySource(key, jnp.int32(B), jnp.int32(0))
     out = policy_fn(params, carry.obs, k_pol)
-    driver = _driver(env, env_params, B, carry.terminations.shape[1])
-    env_state, obs, r, term, trunc, final_obs = driver.step_chunk(
-        carry.env_state, out.actions, k_env
-    )
+    driver = _driver(env, env_params, B, carry.terminations.shape[1], chunk_end)
+    result = driver.step_chunk(carry.env_state, out.actions, k_env)
+    env_state, obs, r, term, trunc, final_obs = result[:6]
+    valid = result[6] if len(result) > 6 else None
     initial = None
     if first:  # the boundary before the first action: the previous chunk's flags
         initial = EnvTransition(terminations=carry.terminations, truncations=carry.truncations)
     policy_part = PolicyPart(source=source, obs=carry.obs, output=out)
     env_part = EnvPart(
         source=source,
-        transition=EnvTransition(rewards=r, terminations=term, truncations=trunc),
+        transition=EnvTransition(
+            rewards=r, terminations=term, truncations=trunc, valid_actions=valid
+        ),
         initial_transition=initial,
         final_values=value_fn(params, final_obs),
     )
@@ -329,6 +426,7 @@ def collect(
     *,
     env_rank: Any = 0,
     stage_id: Any = 0,
+    chunk_end: str | None = None,
 ) -> tuple[CollectorState, EnvCarry]:
     """Collect one training step (``E`` epochs of ``T`` chunks) of one source.
 
@@ -348,6 +446,9 @@ def collect(
       params: policy/value parameters passed to ``policy_fn`` and ``value_fn``.
       env_rank: the env rank of the source this rollout feeds.
       stage_id: the stage of that source.
+      chunk_end: ``"cut"`` (default for a gymnax-style env) or ``"continue"``; see the
+        module docstring (an env driver's own by default). The example parts must be
+        built with the same (:func:`example_parts`).
 
     Returns:
       ``(state, carry)``: the state with every chunk of the step inserted (check
@@ -355,7 +456,9 @@ def collect(
     """
     _check_32bit(state)
     step_id = _step_id(state, env_rank, stage_id)
-    run = lambda c, k, first: _chunk(env, env_params, policy_fn, value_fn, params, c, k, first)
+    run = lambda c, k, first: _chunk(
+        env, env_params, policy_fn, value_fn, params, c, k, first, chunk_end
+    )
 
     def insert(st, policy_part, env_part):
         st = joiner.add_policy(plan, st, policy_part)
@@ -388,15 +491,19 @@ def rollout_stacked(
     step_id: Any = 0,
     env_rank: Any = 0,
     stage_id: Any = 0,
+    chunk_end: str | None = None,
 ) -> tuple[tuple[PolicyPart, EnvPart], tuple[PolicyPart, EnvPart], EnvCarry]:
-    """The same rollout as :func:`collect` with the parts only stacked, no collector.
+    """The same rollout as :func:`collect` with the parts only stacked, no collector
+    (``chunk_end`` as for :func:`collect`).
 
     Returns:
       ``(first, rest, carry)``: chunk 0's ``(PolicyPart, EnvPart)`` with leaves
       ``[E, B, ...]``, chunks ``1..T-1`` with leaves ``[E, T-1, B, ...]``, and the carry.
       Same keys, same random numbers, same data as :func:`collect` inserts.
     """
-    run = lambda c, k, first: _chunk(env, env_params, policy_fn, value_fn, params, c, k, first)
+    run = lambda c, k, first: _chunk(
+        env, env_params, policy_fn, value_fn, params, c, k, first, chunk_end
+    )
 
     def epoch(c, e):
         c, p0, v0 = run(c, _key(step_id, e, env_rank, stage_id, 0), True)
@@ -420,20 +527,25 @@ def example_parts(
     params: Any,
     num_envs: int,
     actions_per_chunk: int,
+    *,
+    chunk_end: str | None = None,
 ) -> tuple[PolicyPart, EnvPart]:
     """Zero-filled example halves (chunk 0's env half) for :func:`jaxtraj.init`.
 
     Shapes and dtypes come from ``jax.eval_shape`` of one chunk; nothing runs (an env
     driver's ``spec`` gives the carry's shapes: an EnvPool pool is not reset here).
+    ``chunk_end`` as for :func:`collect` (under ``"cut"`` the env half has
+    ``valid_actions``): give both the same.
     """
 
-    driver = _driver(env, env_params, num_envs, actions_per_chunk)
+    driver = _driver(env, env_params, num_envs, actions_per_chunk, chunk_end)
     flags = jax.ShapeDtypeStruct((num_envs, actions_per_chunk), jnp.bool_)
     abstract = EnvCarry(*driver.spec(), flags, flags, jax.eval_shape(jax.random.PRNGKey, 0))
 
     def one(carry):
         _, p, v = _chunk(
-            env, env_params, policy_fn, value_fn, params, carry, _key(0, 0, 0, 0, 0), True
+            env, env_params, policy_fn, value_fn, params, carry, _key(0, 0, 0, 0, 0), True,
+            chunk_end,
         )
         return p, v
 
@@ -451,8 +563,10 @@ def make_collect(
     *,
     env_rank: int = 0,
     stage_id: int = 0,
+    chunk_end: str | None = None,
 ):
-    """``jax.jit`` of :func:`collect` bound to its static arguments, state donated.
+    """``jax.jit`` of :func:`collect` bound to its static arguments, state donated
+    (``chunk_end`` as for :func:`collect`).
 
     Returns:
       ``fn(state, carry, params) -> (state, carry)``: one compiled call per training step.
@@ -470,6 +584,7 @@ def make_collect(
             params,
             env_rank=env_rank,
             stage_id=stage_id,
+            chunk_end=chunk_end,
         )
 
     return jax.jit(fn, donate_argnums=0)
