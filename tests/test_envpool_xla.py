@@ -2,8 +2,11 @@
 
 A collect over EnvPool Hopper-v4 equals a plain Python loop over the host API of an
 identically seeded pool, field by field; the step after a done is EnvPool's reset
-(reward 0, flags false); no retrace on the second call; every buffer stays 32-bit with
-``jax_enable_x64`` on; without x64 the driver says what to switch on.
+(reward 0, flags false) and is masked (``valid_actions`` false), within a chunk and at
+action 0 of the next chunk, every other action valid, and the collector accepts it; the
+driver only continues (``chunk_end="cut"`` is refused); no retrace on the second call;
+every buffer stays 32-bit with ``jax_enable_x64`` on; without x64 the driver says what
+to switch on.
 
 ``jax_enable_x64`` is global, so the checks run in a child process (this file run as a
 script), with the suite's strict promotion flags set there too.
@@ -27,6 +30,8 @@ def test_envpool_collect_equals_a_host_loop_under_x64():
         "without x64: clear error",
         "collect == host loop",
         "reset steps: reward 0, flags false",
+        "reset steps masked",
+        "cut refused",
         "no retrace",
         "buffers 32-bit under x64",
     ):
@@ -66,6 +71,15 @@ def _child():
         print("without x64: clear error")
     else:
         raise AssertionError("no error without x64")
+
+    try:
+        EnvPoolXla(make_pool(), K, chunk_end="cut")
+    except ValueError as e:
+        assert "lockstep" in str(e) and "EnvPoolEnv" in str(e), e
+        print("cut refused")
+    else:
+        raise AssertionError("chunk_end='cut' accepted")
+    assert EnvPoolXla(make_pool(), K).chunk_end == "continue"
 
     jax.config.update("jax_enable_x64", True)
     _check_collect(make_pool)
@@ -147,7 +161,8 @@ def _check_collect(make_pool):
                 o, r, term, trunc, info = pool.step(np.asarray(po.actions[:, k], np.float64))
                 obs = o.astype(np.float32)
                 done = term | trunc
-                final[done] = obs[done]  # EnvPool: the done step gives the ending obs
+                first = done & ~ended  # the chunk's first end: its V bootstraps
+                final[first] = obs[first]  # EnvPool: the done step gives the ending obs
                 ended |= done
                 rs.append(r.astype(np.float32))
                 ts.append(term)
@@ -172,11 +187,16 @@ def _check_collect(make_pool):
     np.testing.assert_allclose(traj.prev_logprobs, ref["logp"], rtol=1e-6, atol=1e-6)
     values = np.concatenate([ref["values"], ref["final"][:, -1:]], axis=1)
     np.testing.assert_allclose(traj.prev_values, values, rtol=1e-5, atol=1e-5)
-    # Raw env rewards in the state; the flush adds gamma * V(final obs) at truncations.
+    # Raw env rewards in the state and the Trajectory; the targets' chunk rewards sum the
+    # actions up to the chunk's first end and add gamma * V(final obs) if it truncated.
     np.testing.assert_array_equal(state.env.transition.rewards, ref["rewards"])
     np.testing.assert_allclose(state.env.final_values, ref["final"], rtol=1e-5, atol=1e-5)
-    rewards = ref["rewards"] + GAMMA * ref["final"][..., None] * trunc
-    np.testing.assert_allclose(traj.rewards, rewards, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(traj.rewards, ref["rewards"])
+    done = term | trunc
+    owned = np.cumsum(done, -1) - done == 0
+    chunk = (ref["rewards"] * owned).sum(-1) + GAMMA * ref["final"] * (trunc & owned).any(-1)
+    targets = jaxtraj.trajectory_targets(plan, traj)
+    np.testing.assert_allclose(np.asarray(targets.rewards), chunk, rtol=1e-5, atol=1e-5)
     d0 = np.stack([np.stack(x) for x in d0])  # [E, 2, B, K]
     np.testing.assert_array_equal(traj.terminations, np.concatenate([d0[:, 0, None], term], 1))
     np.testing.assert_array_equal(traj.truncations, np.concatenate([d0[:, 1, None], trunc], 1))
@@ -191,6 +211,20 @@ def _check_collect(make_pool):
     r = flat(np.asarray(state.env.transition.rewards))
     assert (r[reset_step] == 0).all() and not flat(done)[reset_step].any()
     print("reset steps: reward 0, flags false")
+
+    # ... and masked: valid_actions is false exactly there (the first reset step of the
+    # run follows the last chunk's flags, carried across chunks and epochs), within a
+    # chunk and at action 0 of the next; the collector accepted every row (no error).
+    valid = np.asarray(traj.valid_actions)  # [E, T, B, K]
+    np.testing.assert_array_equal(valid, np.asarray(state.env.transition.valid_actions))
+    np.testing.assert_array_equal(flat(valid), ~reset_step)
+    assert (~valid[..., 1:]).any(), "a reset step within a chunk"
+    assert (~valid[:, 1:, :, 0]).any(), "a reset step at action 0 of the next chunk"
+    # The decision's owned actions: up to its first end, never the reset step.
+    mask = np.asarray(traj.action_mask)
+    assert not (mask & ~valid).any()
+    np.testing.assert_array_equal(mask, valid & owned)
+    print("reset steps masked")
 
     # A second training step: the same compiled call, the pool stepped on.
     state, carry = collect(state, carry, params)

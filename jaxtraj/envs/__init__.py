@@ -8,12 +8,27 @@
   synchronous runner's jitted ``lax.scan`` (:mod:`jaxtraj.runners.sync`; needs
   ``jax_enable_x64``).
 
-Both execute an action chunk ``[B, K, A]`` as ``K`` steps with the synchronous
-runner's semantics (an episode that ends mid-chunk is reset at once and the chunk's
-remaining actions run in the new one), cast at the boundary, and describe themselves
-with :meth:`~GymnasiumEnv.spec` (an :class:`EnvSpec`), from which :func:`example_parts`
-builds the collector's example halves. :meth:`~GymnasiumEnv.check_against` checks an
-adapter against the collector's examples.
+The host adapters execute an action chunk ``[B, K, A]`` as up to ``K`` steps, cast at
+the boundary, and describe themselves with :meth:`~GymnasiumEnv.spec` (an
+:class:`EnvSpec`), from which :func:`example_parts` builds the collector's example
+halves. :meth:`~GymnasiumEnv.check_against` checks an adapter against the collector's
+examples.
+
+What follows an episode end inside a chunk is each adapter's ``chunk_end``:
+
+- ``"cut"``: the environment executes nothing more in the chunk (its later slots are
+  padding: ``EnvTransition.valid_actions`` false, reward 0, flags false) and is reset
+  at the chunk's end, so the next chunk's policy sees the reset observation. The
+  default of :class:`GymnasiumEnv` over a ``SyncVectorEnv``, of :class:`EnvPoolEnv`
+  (EnvPool's partial steps) and of the synchronous runner over gymnax environments.
+- ``"continue"``: the environment is reset and the chunk's remaining actions run in the
+  new episode. The default (and only mode) of :class:`GymnasiumEnv` over an
+  ``AsyncVectorEnv`` or a wrapped vector env; the only mode of :class:`EnvPoolXla`,
+  where the step after a done is EnvPool's reset step (its action is not executed):
+  ``valid_actions`` is false there.
+
+Either way a chunk's decision owns its actions up to and including its first episode
+end (``EnvTransition.owned_actions``), and ``final_obs`` is the observation that end left.
 
 A collector for an adapter, without running anything::
 

@@ -23,20 +23,27 @@ What a user must know:
   *defaults* widen too (``jnp.zeros(n)`` is float64, ``jnp.arange`` int64): give the
   policy's parameters and outputs explicit dtypes, or its parts (and the plan's buffers
   built from them) are float64. jaxtraj's keys are int32 either way.
-- The env state carried through the scan is EnvPool's handle: a token for the C++ pool,
-  not its state. The jitted call threads it so the steps stay ordered, but the
+- The env state carried through the scan is ``(handle, reset_pending [B])``: EnvPool's
+  handle is a token for the C++ pool, not its state. The jitted call threads it so the steps stay ordered, but the
   simulators live outside JAX: a carry cannot be rewound or copied (calling ``collect``
   twice with the same carry steps the pool further, it does not repeat the rollout).
   ``rng`` is ignored: EnvPool's randomness is its ``seed`` at ``envpool.make``.
+- Chunk ends: this driver can only *continue* (``chunk_end="continue"``; ``"cut"`` is
+  refused): EnvPool's XLA step steps every environment in lockstep and has no partial
+  step or reset of single environments, so an episode that ends at action ``k`` is
+  followed in the same chunk by the next episode.
 - Auto-reset is EnvPool's, on the *next* step: the step after an episode ends is a
-  reset. Its action is not executed (EnvPool ignores it), its reward is 0 and its flags
-  are false, and its observation is the new episode's first one. The XLA interface has
-  no reset of single environments, so this happens in-jit exactly as EnvPool does it:
-  an episode that ends at action ``k`` of a chunk consumes action ``k + 1`` (the next
-  chunk's first action if ``k = K - 1``; that chunk's policy then saw the observation
-  the episode ended on). The collector records the actions the policy produced, the
-  zero reward and false flags. ``final_obs`` (terminal inference, truncation bootstrap)
-  is the observation the episode ended on, as for gymnax environments.
+  reset step. Its action is not executed (EnvPool ignores it), its reward is 0 and its
+  flags are false, and its observation is the new episode's first one. An episode that
+  ends at action ``k`` of a chunk consumes action ``k + 1`` (the next chunk's first
+  action if ``k = K - 1``; that chunk's policy then saw the observation the episode
+  ended on). The env half's ``EnvTransition.valid_actions`` ``[B, K]`` is false on
+  every reset step and true elsewhere, so no loss trains on an action that never ran;
+  a per-environment "reset pending" flag in the driver's env state carries a chunk's
+  last-action end into the next chunk. The actions after an end (the reset step and
+  the new episode's) are not part of the ended chunk's return (the chunk-end rule,
+  ``EnvTransition.owned_actions``). ``final_obs`` (terminal inference, truncation
+  bootstrap) is the observation the chunk's first episode end left.
 - The pool must be synchronous (``batch_size == num_envs``), reset by
   :func:`jaxtraj.runners.sync.reset` (a host call) before the first ``collect``.
 """
@@ -49,6 +56,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxtraj.envs.gymnasium import check_chunk_end
 from jaxtraj.runners import sync
 
 __all__ = ["EnvPoolXla"]
@@ -73,7 +81,11 @@ class EnvPoolXla:
       clip_actions: clip actions to the pool's action bounds before they are sent (the
         collector still records the policy's unclipped actions).
       reward_dtype: rewards are cast to this dtype (float32).
+      chunk_end: ``"continue"``, the only mode this driver has (see the module
+        docstring); ``"cut"`` raises ValueError.
     """
+
+    chunk_end = "continue"
 
     def __init__(
         self,
@@ -84,7 +96,17 @@ class EnvPoolXla:
         obs_key: Any = None,
         clip_actions: bool = False,
         reward_dtype: Any = jnp.float32,
+        chunk_end: str = "continue",
     ):
+        check_chunk_end(chunk_end, "EnvPoolXla")
+        if chunk_end == "cut":
+            raise ValueError(
+                "EnvPoolXla: chunk_end='cut' is not possible: EnvPool's XLA step steps "
+                "every environment in lockstep (no partial step, no reset of single "
+                "environments), so it can only continue; its reset step is masked "
+                "(valid_actions false). For chunks cut at an episode end use the host "
+                "adapter jaxtraj.envs.EnvPoolEnv (partial steps)"
+            )
         config = pool.config
         self.num_envs = int(config["num_envs"])
         if int(config["batch_size"]) != self.num_envs:
@@ -113,8 +135,9 @@ class EnvPoolXla:
 
     # -- the EnvDriver protocol -------------------------------------------------------
 
-    def init(self, rng: jax.Array) -> tuple[jax.Array, Any]:
-        """Reset the pool (a host call: outside ``jit``) -> ``(handle, obs [B, ...])``.
+    def init(self, rng: jax.Array) -> tuple[tuple[jax.Array, jax.Array], Any]:
+        """Reset the pool (a host call: outside ``jit``) -> ``((handle, reset_pending
+        [B] all false), obs [B, ...])``.
 
         ``rng`` is ignored: the pool's ``seed`` decides its episodes.
         """
@@ -123,19 +146,22 @@ class EnvPoolXla:
         out = self.pool.reset()
         obs = out[0] if isinstance(out, tuple) else out
         obs = self._cast_obs(self._select(obs))
-        return jnp.asarray(self._handle), obs
+        return (jnp.asarray(self._handle), jnp.zeros((self.num_envs,), bool)), obs
 
-    def spec(self) -> tuple[jax.ShapeDtypeStruct, Any]:
-        """``(handle, obs)`` as ``jax.ShapeDtypeStruct`` s; runs nothing."""
+    def spec(self) -> tuple[tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct], Any]:
+        """``((handle, reset_pending), obs)`` as ``jax.ShapeDtypeStruct`` s; runs
+        nothing."""
         h = jax.ShapeDtypeStruct(self._handle.shape, self._handle.dtype)
-        return h, self._obs_spec
+        pending = jax.ShapeDtypeStruct((self.num_envs,), jnp.bool_)
+        return (h, pending), self._obs_spec
 
-    def step_chunk(self, env_state: jax.Array, actions: jax.Array, rng: jax.Array):
+    def step_chunk(self, env_state: tuple, actions: jax.Array, rng: jax.Array):
         """Send the chunk's ``K`` actions one after the other through EnvPool's XLA step.
 
         Returns:
-          ``(handle, obs, rewards [B, K], terminations [B, K], truncations [B, K],
-          final_obs)``; see the module docstring for the step after a done.
+          ``((handle, reset_pending), obs, rewards [B, K], terminations [B, K],
+          truncations [B, K], final_obs, valid [B, K])``: ``valid`` is false on EnvPool's
+          reset steps (see the module docstring), where rewards are 0 and flags false.
         """
         del rng
         self._check_x64()
@@ -143,15 +169,20 @@ class EnvPoolXla:
         if tuple(actions.shape) != expect:
             raise ValueError(f"EnvPoolXla: actions of shape {actions.shape}, expected {expect}")
 
-        def step(handle, k, a):
+        def step(state, k, a):
+            handle, pending = state
             a = a.astype(self.action_dtype)
             if self._bounds is not None:
                 low, high = (jnp.asarray(b[None], self.action_dtype) for b in self._bounds)
                 a = jnp.clip(a, low, high)
             handle, (obs, rew, term, trunc, _info) = self._step(handle, a)
             obs = self._cast_obs(self._select(obs))
-            rew = rew.astype(self.reward_dtype)
-            return handle, obs, rew, term.astype(bool), trunc.astype(bool), obs
+            # The step after a done is EnvPool's reset step: its action did not run
+            # (EnvPool gives reward 0 and no flags there; kept so, whatever it gives).
+            valid = ~pending
+            rew = jnp.where(valid, rew.astype(self.reward_dtype), jnp.zeros((), self.reward_dtype))
+            term, trunc = term.astype(bool) & valid, trunc.astype(bool) & valid
+            return (handle, term | trunc), obs, rew, term, trunc, obs, valid
 
         return sync.scan_chunk(step, env_state, actions)
 
