@@ -365,6 +365,92 @@ def test_encoder_error_names_the_episode_and_stops_the_writer(tmp_path, monkeypa
     check_videos(root, first[0])
 
 
+class OutOfOrder:
+    """PyAV, its encoder handing packets out as SVT-AV1 now and then does: out of frame order.
+
+    A stream's packets are held until the flush, then handed out in frame order but for the
+    frames ``swap`` (whose packets trade places) and ``drop`` (whose packet never comes).
+    """
+
+    def __init__(self, av, swap=(0, 0), drop=None):
+        self._av, self.swap, self.drop = av, swap, drop
+
+    def __getattr__(self, name):
+        return getattr(self._av, name)
+
+    def open(self, *args, **kwargs):
+        container = self._av.open(*args, **kwargs)
+        fake = self
+
+        class Container:
+            def __getattr__(self, name):
+                return getattr(container, name)
+
+            def add_stream(self, *args, **kwargs):
+                return Stream(container.add_stream(*args, **kwargs))
+
+        class Stream:
+            def __init__(self, stream):
+                object.__setattr__(self, "_stream", stream)
+                object.__setattr__(self, "_held", [])
+
+            def __getattr__(self, name):
+                return getattr(self._stream, name)
+
+            def __setattr__(self, name, value):
+                setattr(self._stream, name, value)
+
+            def encode(self, frame=None):
+                self._held.extend(self._stream.encode(frame))
+                if frame is not None:
+                    return []
+                packets = sorted(self._held, key=lambda p: p.pts)
+                a, b = fake.swap
+                packets[a], packets[b] = packets[b], packets[a]
+                return [p for p in packets if p.pts != fake.drop]
+
+        return Container()
+
+
+def stream_packets(path: Path) -> list[tuple[int, int, bytes]]:
+    import av
+
+    with av.open(str(path)) as container:
+        return [(p.pts, p.dts, bytes(p)) for p in container.demux(video=0) if p.size]
+
+
+def test_av1_packets_out_of_frame_order_are_written_in_order(tmp_path):
+    """SVT-AV1 now and then hands out frame k + 25's packet in frame k's place (seen under CPU
+    load; the muxer then refused frame k's, EINVAL): the file is written in frame order, as an
+    encode in order is, and a frame whose packet never comes fails the encode."""
+    import av
+
+    episodes = [camera(0, 40, 32, 32), camera(1, 9, 32, 32)]
+
+    def encode(av, name):
+        with video._same_scheduling():  # as video.encode in process (SVT-AV1 may make it FIFO)
+            return video._encode(
+                av,
+                lambda i: tmp_path / f".{name}-{i}.tmp",
+                episodes,
+                FPS,
+                video.VideoSettings(),
+                float("inf"),
+                2,
+            )
+
+    (reference,), _ = encode(av, "reference")
+    (swapped,), placed = encode(OutOfOrder(av, swap=(3, 28)), "swapped")
+    assert placed == [video.Placed(0, 0, 40), video.Placed(0, 40, 9)]
+    assert stream_packets(swapped) == stream_packets(reference)
+    pts = [p[0] for p in stream_packets(swapped)]  # in the muxer's time base
+    assert len(pts) == 49 and pts == sorted(set(pts))
+    assert psnr(video.decode(swapped), np.concatenate(episodes)) >= PSNR_DB
+    with pytest.raises(RuntimeError, match="episode 3: .* no packet for frame 3 of 49"):
+        encode(OutOfOrder(av, drop=3), "dropped")
+    assert not list(tmp_path.glob(".dropped-*"))
+
+
 # -- the encoder's watchdog: a stuck encode is killed and redone, or reported in time ---------
 
 TIMEOUT = 2.0  # the watchdog of one attempt in these tests; a legitimate one takes ~20 ms
@@ -451,12 +537,8 @@ def test_a_stuck_or_dead_encoder_is_replaced_and_the_job_redone(
         assert any(p.parent.name == TOP for p in seen)  # the stuck attempt had begun its mp4
     [encoder] = encoders
     # One process for the first call and the failed attempt, a fresh one for the retry (and
-    # the wrist camera's job); the first is gone, not left hanging. Rarely (about 1 run in
-    # 10-50 here, more under load) the retry itself fails with an EINVAL from the muxer in the
-    # fresh process, cause not established, and is retried once more in another fresh
-    # process: allowed, every replaced process gone, the dataset still checked in full below.
-    assert len(encoder.pids) >= 2 and not any(alive(p) for p in encoder.pids[:-1])
-    assert len(encoder.pids) == 2 or "encoding attempt 2 of 3 failed" in caplog.text
+    # the wrist camera's job); the first is gone, not left hanging.
+    assert len(encoder.pids) == 2 and not alive(encoder.pids[0])
     why = "no answer within 2 s" if fault == "hang" else "the encoder process died"
     assert "episodes 2 to 4: encoding attempt 1 of 3 failed, trying again" in caplog.text
     assert why in caplog.text

@@ -395,22 +395,64 @@ def _check_answer(answer, paths: list[Path], episodes: Sequence[np.ndarray]):
 
 # Encoders run one at a time in a process: in stress runs with two SVT-AV1 encoders at once
 # (PyAV 18.1, 224x224) an encode intermittently hung or had a packet refused by the muxer
-# (EINVAL). One SVT-AV1 stream already spreads over the cores; the pool still overlaps
-# encoding with PNGs, parquet and statistics, and with collection. The lock also serialises
-# the jobs of every writer's encoder process.
+# (EINVAL; likely the out-of-order packets that ``_FrameOrder`` now puts back in order, not
+# checked with two encoders). One SVT-AV1 stream already spreads over the cores; the pool
+# still overlaps encoding with PNGs, parquet and statistics, and with collection. The lock
+# also serialises the jobs of every writer's encoder process.
 _ONE_ENCODER = threading.Lock()
+
+
+class _FrameOrder:
+    """An AV1 stream's packets, handed on in frame order.
+
+    SVT-AV1 (PyAV 18.1's, ``g=2``, its threads at normal priority, the CPU contended) now and
+    then hands out one frame's packet early: frame ``k + 25``'s in frame ``k``'s place, and
+    frame ``k``'s in frame ``k + 25``'s. Each packet's bytes and timestamps are those of an
+    encode in order; only the order is wrong, and the mp4 muxer refuses the late one ("non
+    monotonically increasing dts", ``EINVAL``). On the 2-core VM with a busy process beside
+    it: 21 of 2958 encodes of 49 frames in one process, 2 of 50 in fresh encoder processes
+    (``benchmarks/encoder_stress.py``); none seen without the load. An AV1 stream is decoded
+    in presentation order (one shown frame per temporal unit), so holding a packet back until
+    the frames before it have come restores exactly the encoder's stream. The frames' ``pts``
+    are ``0, 1, ...`` in the codec's ``1/fps`` time base.
+    """
+
+    def __init__(self):
+        self._next = 0
+        self._held: dict[int, Any] = {}
+
+    def __call__(self, packet) -> list:
+        """The packets that can be muxed now that ``packet`` came, in order."""
+        self._held[int(packet.pts)] = packet
+        ready = []
+        while self._next in self._held:
+            ready.append(self._held.pop(self._next))
+            self._next += 1
+        return ready
+
+    @property
+    def done(self) -> int:
+        """How many frames' packets have been handed on: every one before the first missing."""
+        return self._next
 
 
 def _encode(av, part_path, episodes, fps, settings, max_bytes, first_episode, on_episode=None):
     paths: list[Path] = []
     placed: list[Placed] = []
-    container = stream = None
+    container = stream = order = None
     count = written = packets = 0
     height, width = episodes[0].shape[1:3]
 
+    def mux(packet):
+        # libx264's packets come in dts order (not pts order: B-frames); AV1's may not.
+        for ready in (packet,) if order is None else order(packet):
+            container.mux(ready)
+
     def close():
         for packet in stream.encode():
-            container.mux(packet)
+            mux(packet)
+        if order is not None and order.done != count:
+            raise RuntimeError(f"the encoder gave no packet for frame {order.done} of {count}")
         container.close()
 
     try:
@@ -419,7 +461,12 @@ def _encode(av, part_path, episodes, fps, settings, max_bytes, first_episode, on
             # size of those already out.
             held = count - packets
             if container is not None and written + held * written / max(packets, 1) >= max_bytes:
-                close()
+                try:
+                    close()
+                except Exception as err:
+                    raise RuntimeError(
+                        f"episode {first_episode + i - 1}: encoding failed: {err}"
+                    ) from err
                 container = None
             if container is None:
                 paths.append(part_path(len(paths)))
@@ -428,6 +475,7 @@ def _encode(av, part_path, episodes, fps, settings, max_bytes, first_episode, on
                 stream.pix_fmt = settings.pix_fmt
                 stream.width, stream.height = int(width), int(height)
                 stream.time_base = Fraction(1, fps)
+                order = _FrameOrder() if settings.codec == "libsvtav1" else None
                 count = written = packets = 0
             placed.append(Placed(len(paths) - 1, count, len(frames)))
             if on_episode is not None:
@@ -440,7 +488,7 @@ def _encode(av, part_path, episodes, fps, settings, max_bytes, first_episode, on
                     for packet in stream.encode(vf):
                         written += packet.size
                         packets += 1
-                        container.mux(packet)
+                        mux(packet)
             except Exception as err:
                 raise RuntimeError(f"episode {first_episode + i}: encoding failed: {err}") from err
         if container is not None:
