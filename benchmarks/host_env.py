@@ -188,10 +188,12 @@ class NullEnv:
         B, D = spec.obs["state"].shape
         state = np.random.default_rng(0).standard_normal((B, D)).astype(np.float32)
         self.obs = CameraEnv._with({"state": state}) if camera else {"state": state}
+        cut = spec.transition.valid_actions is not None  # the adapter's chunk_end="cut"
         tr = EnvTransition(
             rewards=np.ones((B, K), np.float32),
             terminations=np.zeros((B, K), bool),
             truncations=np.zeros((B, K), bool),
+            valid_actions=np.ones((B, K), bool) if cut else None,
         )
         self.out = EnvStep(transition=tr, obs=self.obs, final_obs=self.obs)
 

@@ -16,15 +16,23 @@ chunks, time-limit truncations bootstrapped from ``V(final obs)``, advantages
 normalised) that the PPO update trains on.
 
 Discounting is per chunk: the plan's gamma is ``gamma_action ** K`` and a chunk's
-reward is the sum of its ``K`` action rewards. EnvPool resets an environment on the
-step after its episode ends; that step's action is not executed (reward 0).
+reward is the sum of the ``K`` action rewards its decision owns (up to and including an
+episode's end). MuJoCo tasks run with ``chunk_end="continue"`` (EnvPool's XLA interface
+steps every environment in lockstep): after an episode ends inside a chunk, the chunk's
+remaining actions run in the new episode, and EnvPool's reset step (the step after the
+end) is not executed. The loss scores a chunk's log-probability over the actions its
+decision owns and that ran (``MicroBatches.action_mask``). Pendulum runs with
+``chunk_end="cut"`` (the synchronous runner's default for gymnax), though its episodes
+only end at the time limit, on a chunk's last action.
 
     python examples/ppo.py                         # Hopper-v4 (EnvPool): 1.5-2 min, 2 cores
     python examples/ppo.py --quick                 # 15 iterations: about 20 s
     python examples/ppo.py --env pendulum          # gymnax Pendulum-v1: under a minute
     python examples/ppo.py --env halfcheetah --iterations 200 --seed 1 --plot /tmp/hc.png
 
-Per iteration it prints the mean return of the episodes that ended in it, environment
+Per iteration it prints the mean return of the episodes that ended in it (the flush's
+episode statistics, ``MicroBatches.episodes``: environment rewards, counted whole across
+iterations), environment
 steps per second, and the share of the iteration spent in the collector (inserts,
 estimated against the same rollout without a collector, plus the flush).
 """
@@ -193,8 +201,11 @@ def make_train(cfg: Config, log_prob, value_fn, optimizer):
     def loss_fn(params, b):
         mask = b.loss_mask.astype(jnp.float32)
         n = jnp.maximum(mask.sum(), 1.0)
-        logp = log_prob(params, b.obs, b.actions).sum(axis=(-2, -1))  # the chunk's log-prob
-        ratio = jnp.exp(logp - b.prev_logprobs.sum(axis=(-2, -1)))
+        # The chunk's log-prob over the actions its decision owns and that ran (an episode
+        # that ends inside the chunk ends its decision; EnvPool's reset step did not run).
+        owned = b.action_mask.astype(jnp.float32)  # [M, K]
+        logp = (log_prob(params, b.obs, b.actions).sum(axis=-1) * owned).sum(axis=-1)
+        ratio = jnp.exp(logp - (b.prev_logprobs.sum(axis=-1) * owned).sum(axis=-1))
         adv = b.advantages
         pg = -jnp.minimum(ratio * adv, jnp.clip(ratio, 1 - cfg.clip, 1 + cfg.clip) * adv)
         v = value_fn(params, b.obs)
@@ -228,32 +239,6 @@ def make_train(cfg: Config, log_prob, value_fn, optimizer):
         return params, opt_state, pg.mean(), vl.mean()
 
     return train
-
-
-@jax.jit
-def episode_stats(state, running):
-    """Returns of episodes that ended in this step, from the collector's raw env rewards.
-
-    ``running [B]`` carries the unfinished episodes' returns across iterations.
-    Returns ``(running, sum of finished returns, number finished)``.
-    """
-    tr = state.env.transition  # leaves [S, E, T, B, K] (stacked state)
-    r = tr.rewards[0].reshape((-1,) + tr.rewards.shape[3:])  # [E*T, B, K]
-    d = (tr.terminations | tr.truncations)[0].reshape(r.shape)
-    r = jnp.moveaxis(r, 2, 1).reshape((-1, r.shape[1]))  # time-major [E*T*K, B]
-    d = jnp.moveaxis(d, 2, 1).reshape(r.shape)
-
-    def one(carry, x):
-        acc, total, count = carry
-        r_t, d_t = x
-        acc = acc + r_t
-        total = total + jnp.sum(jnp.where(d_t, acc, 0.0))
-        count = count + jnp.sum(d_t, dtype=jnp.int32)
-        return (jnp.where(d_t, 0.0, acc), total, count), None
-
-    init = (running, jnp.zeros((), running.dtype), jnp.zeros((), jnp.int32))
-    (running, total, count), _ = jax.lax.scan(one, init, (r, d))
-    return running, total, count
 
 
 def make_env(cfg: Config):
@@ -323,7 +308,6 @@ def run(cfg: Config, *, progress: bool = True, log=print) -> dict[str, Any]:
     # start again from a reset. (A gymnax carry is a value: this gives the same carry.)
     carry = sync.reset(env, env_params, k_env, B, K)
 
-    running = jnp.zeros((B,), f32)
     history = {"returns": [], "iteration_s": [], "collector_share": [], "steps_per_s": []}
     steps = cfg.chunks * K * B
     bar = tqdm(range(cfg.iterations), disable=not progress, desc="ppo", leave=False)
@@ -332,7 +316,6 @@ def run(cfg: Config, *, progress: bool = True, log=print) -> dict[str, Any]:
         state, carry = collect(state, carry, params)
         jax.block_until_ready(state)
         t1 = time.perf_counter()
-        running, total, count = episode_stats(state, running)
         rng, k_train = jax.random.split(rng)
         t2 = time.perf_counter()
         batches, state, pipe = flush(state, pipe, 0)
@@ -346,8 +329,9 @@ def run(cfg: Config, *, progress: bool = True, log=print) -> dict[str, Any]:
         t4 = time.perf_counter()
         jaxtraj.raise_if_error(state)
 
-        count = int(count)
-        ret = float(total) / count if count else float("nan")
+        # The episodes that ended in this flush (every rank's batches hold them all).
+        episodes = jax.tree.map(lambda x: x[0], batches.episodes)
+        count, ret = int(episodes.count()), float(episodes.mean_return())
         it_s = (t1 - t0) + (t3 - t2) + (t4 - t3)
         insert_s = max(0.0, (t1 - t0) - baseline_s)
         share = (insert_s + (t3 - t2)) / it_s

@@ -16,6 +16,7 @@ from jaxtraj.advantages import (
     normalize_advantages,
 )
 from jaxtraj.collector import TrajectoryCollector, stack_parts
+from jaxtraj.episode_stats import EpisodeStats, RunningEpisodes
 from jaxtraj.errors import CollectorError, ErrorCode, raise_if_error
 from jaxtraj.joiner import add_env, add_env_uniform, add_envs, add_policies, add_policy
 from jaxtraj.modes import pipeline, rollout
@@ -75,11 +76,13 @@ __all__ = [
     "CollectorState",
     "EnvPart",
     "EnvTransition",
+    "EpisodeStats",
     "ErrorCode",
     "MicroBatches",
     "PolicyInput",
     "PolicyOutput",
     "PolicyPart",
+    "RunningEpisodes",
     "Targets",
     "Trajectory",
     "TrajectoryCollector",

@@ -18,8 +18,9 @@ The recurrence (RLinf's)::
     A_t     = delta_t + gamma * lam * (1 - d_{t+1}) * A_{t+1},      A_T = 0
     R_t     = A_t + v_t
 
-A truncated episode bootstraps through its reward: reward composition adds
-``gamma * V(final obs)`` to the cut step's reward, and the done flag then stops the trace.
+A truncated episode bootstraps through its reward: the chunk's training reward
+(``EnvTransition.chunk_rewards``) adds ``gamma * V(final obs)`` (per action: discounted to the
+action after the end), and the done flag then stops the trace.
 A done is applied with a select, not a multiply, so whatever lies after a done (padding,
 NaN from a reset environment) never reaches the steps before it.
 
@@ -274,7 +275,7 @@ def gae(
         R_t     = A_t + v_t
 
     A done ends both the bootstrap and the trace. For a time-limit truncation, add
-    ``gamma * V(final obs)`` to that step's reward (as ``EnvTransition.compute_rewards``
+    ``gamma * V(final obs)`` to that step's reward (as ``EnvTransition.chunk_rewards``
     does) and mark it done; ``gae_from_next_values`` is the terminated/truncated form.
 
     Args:

@@ -369,6 +369,61 @@ def cut_any(xp: Any, plan: TrajectoryPlan, part: EnvPart, n: int | None = None) 
     return np.asarray(flags).reshape(n, -1).any(axis=1)
 
 
+def invalid_action_rows(xp: Any, transition: EnvTransition, rows_ndim: int = 1) -> Any:
+    """``[...]`` bool, the rows whose ``valid_actions`` break the chunk-end rule (all false
+    without ``valid_actions``).
+
+    With ``r_j`` the mask and ``d_j`` the action's done flag (a chunk-level done falls on
+    the last action that ran), a row is refused when
+
+    - a run of actions that ran stops before the chunk's end at an action not flagged
+      done (``r_j & ~r_{j+1} & ~d_j``);
+    - an action is valid right after one flagged done (``d_j & r_{j+1}``): a chunk cut at
+      an end runs nothing after it;
+    - a run starts after a gap that is not a reset step: action ``j + 1`` ran, ``j`` did
+      not, and ``j`` neither starts the chunk nor follows a done (EnvPool's reset step);
+    - an action that did not run carries a done flag or a nonzero reward.
+    """
+    tr = transition
+    if tr.valid_actions is None:
+        return False
+    ran = xp.asarray(tr.valid_actions).astype(bool)
+    K = ran.shape[-1]
+    dones = tr.resolved_dones(xp)
+    if dones is None:
+        dones = xp.zeros(ran.shape, bool)
+    elif np.ndim(dones) <= rows_ndim:  # chunk-level: on the last action that ran
+        last = (xp.cumsum(ran[..., ::-1], axis=-1) == 1)[..., ::-1] & ran
+        dones = last & xp.asarray(dones, bool)[..., None]
+    dones = xp.asarray(dones).astype(bool)
+    bad = dones & ~ran
+    if tr.rewards is not None and np.ndim(tr.rewards) > rows_ndim:
+        bad = bad | ((xp.asarray(tr.rewards) != 0) & ~ran)
+    bad = xp.any(bad, axis=-1)
+    if K > 1:
+        now, nxt = ran[..., :-1], ran[..., 1:]
+        d_now = dones[..., :-1]
+        stops = now & ~nxt & ~d_now
+        after_done = d_now & nxt
+        # a start at j + 1 after a gap at j: fine at j = 0, or when j follows a done
+        follows_done = xp.concatenate([xp.ones(ran.shape[:-1] + (1,), bool), dones[..., :-2]],
+                                      axis=-1)
+        gap = ~now & nxt & ~follows_done
+        bad = bad | xp.any(stops | after_done | gap, axis=-1)
+    return bad
+
+
+def mask_detail(transition: EnvTransition, bad: np.ndarray, offset: int = 0) -> str:
+    """Names the first refused row of ``valid_actions`` and shows it beside its dones."""
+    rows = np.flatnonzero(np.asarray(bad).reshape(-1))
+    r = int(rows[0])
+    mask = np.asarray(transition.valid_actions, bool)[r].astype(int).tolist()
+    dones = transition.resolved_dones(np)
+    shown = "" if dones is None else f", dones {np.asarray(dones, bool)[r].astype(int).tolist()}"
+    more = f" (and {rows.size - 1} more rows)" if rows.size > 1 else ""
+    return f"EnvTransition.valid_actions row {r + offset}: {mask}{shown}{more}"
+
+
 def finite_leaves(part: Any) -> list:
     """The reward and value leaves that ``nonfinite="reject"`` checks."""
     if isinstance(part, EnvPart):
@@ -525,6 +580,11 @@ class HostChecks:
             for i in info.finite:
                 if not np.isfinite(leaves[i]).all():
                     raise CollectorError(key, ErrorCode.NON_FINITE)
+        if info.cut is not None and part.transition.valid_actions is not None:
+            bad = invalid_action_rows(np, part.transition)
+            if np.any(bad):
+                raise CollectorError(key, ErrorCode.INVALID_ACTION_MASK,
+                                     mask_detail(part.transition, bad, off))
         return s, e, t, off, layout, leaves, treedef
 
     def many(
@@ -637,11 +697,19 @@ class HostChecks:
                 finite &= np.isfinite(np.asarray(x)).reshape(n, -1).all(axis=1)
             rules.append((~finite, ErrorCode.NON_FINITE))
             failed = failed or not finite.all()
+        masked = None
+        if isinstance(part, EnvPart) and part.transition.valid_actions is not None:
+            masked = np.asarray(invalid_action_rows(np, part.transition, rows_ndim=2))
+            rules.append((masked.any(axis=1), ErrorCode.INVALID_ACTION_MASK))
+            failed = failed or masked.any()
         if failed:
             code = first_error(np, rules)
             bad = np.flatnonzero(code)
             i = bad[0]
             where = f"part {i} of its group" if places is None else f"part {places[i]} of the batch"
+            if code[i] == ErrorCode.INVALID_ACTION_MASK:
+                one = jax.tree.map(lambda x: np.asarray(x)[i], part.transition)
+                where = f"{mask_detail(one, masked[i], int(off[i]))}; {where}"
             raise CollectorError(keys[i], code[i], where)
         mask[flat] = True
         return s, layout

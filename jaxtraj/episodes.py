@@ -53,7 +53,12 @@ def init_episodes(frames_example: Any, batch_size: int, max_len: int) -> Episode
 
 
 def append(
-    state: EpisodeState, frames: Any, done: jax.Array, *, truncate: bool = False
+    state: EpisodeState,
+    frames: Any,
+    done: jax.Array,
+    *,
+    truncate: bool = False,
+    valid: jax.Array | None = None,
 ) -> tuple[EpisodeState, EpisodeBatch]:
     """Append ``n`` frames per environment; emit the episodes that end.
 
@@ -63,17 +68,24 @@ def append(
       done: ``[n, B]`` bool, the episode ends after this frame.
       truncate: cut episodes at ``L`` frames (marking ``next.done`` and
         ``next.truncated`` when those features exist) instead of overflowing.
+      valid: ``[n, B]`` bool, the frames that happened (an action that ran); the others
+        (the slots of a chunk cut at an episode end, EnvPool's reset steps) are left out.
+        ``None``: all of them.
 
     Returns:
       ``(state, batch)``. With ``batch.overflow`` set anywhere, keep the old state.
     """
     L = jax.tree.leaves(state.frames)[0].shape[1]
 
-    def one(old, length, new, d):  # one environment: old [L, ...], new [n, ...], d [n]
+    def one(old, length, new, d, v):  # one environment: old [L, ...], new [n, ...], d [n]
         n = d.shape[0]
+        # The frames that happened first, in time order (a stable sort on ~v).
+        order = jnp.argsort(~v, stable=True)
+        new = jax.tree.map(lambda x: x[order], new)
+        d = d[order] & v[order]
         P = L + n
         i = jnp.arange(P)
-        total = length + n
+        total = length + jnp.sum(v, dtype=jnp.int32)
         src = jnp.where(i < length, i, L + i - length)  # logical position -> concat(old, new)
         valid = i < total
         seq = jax.tree.map(lambda a, b: jnp.concatenate([a, b]).at[src].get(mode="clip"), old, new)
@@ -98,8 +110,9 @@ def append(
         return carry, (total - last - 1).astype(jnp.int32), seq, episode, overflow
 
     new_b = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), frames)  # [B, n, ...]
+    valid = jnp.ones(done.shape, bool) if valid is None else valid
     carry, length, seq, episode, overflow = jax.vmap(one)(
-        state.frames, state.length, new_b, jnp.swapaxes(done, 0, 1)
+        state.frames, state.length, new_b, jnp.swapaxes(done, 0, 1), jnp.swapaxes(valid, 0, 1)
     )
     return EpisodeState(frames=carry, length=length), EpisodeBatch(seq, episode, overflow)
 

@@ -37,6 +37,7 @@ class ErrorCode(enum.IntEnum):
     STRUCTURE_MISMATCH = 15
     EPISODE_OVERFLOW = 16
     SOURCE_TIMEOUT = 17
+    INVALID_ACTION_MASK = 18
 
 
 _REASONS = {
@@ -64,6 +65,13 @@ _REASONS = {
     ErrorCode.SOURCE_TIMEOUT: "a source stopped reporting: parts still missing after the timeout",
     ErrorCode.EPISODE_OVERFLOW: "an episode is longer than the plan's max_episode_length",
     ErrorCode.STRUCTURE_MISMATCH: "part structure, shape or dtype differs from the plan's example",
+    ErrorCode.INVALID_ACTION_MASK: (
+        "EnvTransition.valid_actions is not a chunk cut at an episode end: the actions that "
+        "ran must be one run (a leading run, or one after EnvPool's reset step at the "
+        "chunk's start or right after a done), ending only at an action flagged done, with "
+        "no action valid right after a done and no flag or reward on an action that did "
+        "not run"
+    ),
 }
 
 

@@ -197,6 +197,9 @@ def _add_env(plan: TrajectoryPlan, state: CollectorState, part: EnvPart, *, unif
     if uniform:  # every chunk carries initial_transition; only chunk zero's is read
         rules = [r for r in rules if r[1] != ErrorCode.UNEXPECTED_INITIAL_TRANSITION]
     rules.append((_nonfinite(plan, part), ErrorCode.NON_FINITE))
+    if part.transition.valid_actions is not None:
+        bad = checks.invalid_action_rows(jnp, part.transition, rows_ndim=1)
+        rules.append((jnp.any(bad), ErrorCode.INVALID_ACTION_MASK))
     code = checks.first_error(jnp, rules)
 
     def fill(buf_leaf):  # absent optional fields are written as zeros: no stale data

@@ -21,11 +21,15 @@ class TrajectoryPlan:
     actions, not the action: ``gamma`` discounts one chunk, so a per-action discount
     ``g`` is ``gamma = g ** K``. Action-level rewards ``[B, K]`` are combined into the
     chunk's reward by summing them (``action_gamma = 1.0``), or discounted inside the
-    chunk, ``sum_k action_gamma**k r_k`` (with ``action_gamma = g`` and ``gamma = g**K``
-    a chunk's reward and bootstrap are the per-action discounted sums). A chunk is done
-    if any of its actions is. ``Trajectory.rewards`` are training rewards: where an
-    episode was truncated they include ``gamma * V(final obs)`` (``truncation_bootstrap``),
-    added to the reward of the action that ended it.
+    chunk (``action_gamma = g``). A chunk's decision owns its actions up to and including
+    the first episode end in it; actions after it are not part of its return. With the
+    first end at action ``k``: ``r_chunk = sum_{j <= k} action_gamma**j r_j + cut * gamma *
+    action_gamma**(k + 1 - K) * V(final obs)`` (``EnvTransition.chunk_rewards``), so with
+    ``action_gamma = g`` and ``gamma = g**K`` a truncation at action ``k`` bootstraps
+    ``g**(k + 1) V(final obs)`` and a chunk-start return equals the per-action discounted
+    return. A chunk is done if any of its actions is. ``Trajectory.rewards`` are the
+    environment's rewards (weighted, with the reward model); the training targets
+    (``trajectory_targets``) add the bootstrap.
 
     Attributes:
       num_chunks: ``T``, action chunks per rollout epoch.
@@ -54,9 +58,9 @@ class TrajectoryPlan:
       action_gamma: discount of the actions inside a chunk when action-level rewards
         are combined into the chunk's reward: ``sum_k action_gamma**k r_k``; ``1.0``
         sums them.
-      truncation_bootstrap: where ``compute_rewards`` adds ``gamma * V(final obs)``
-        (``EnvPart.final_values``): on ``"truncated"`` actions (default), on any
-        ``"done"``, or ``"none"``.
+      truncation_bootstrap: which episode ends bootstrap ``V(final obs)``
+        (``EnvPart.final_values``) in the chunk's training reward: ``"truncated"`` ones
+        (default), any ``"done"``, or ``"none"``.
       gae_lambda: GAE's lambda.
       advantage: ``"gae"`` (needs values) or ``"returns"`` (critic-free: discounted
         reward sums cut at dones).

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jaxtraj.episode_stats import RunningEpisodes, episode_stats, init_running
 from jaxtraj.plan import TrajectoryPlan
 from jaxtraj.types import (
     EnvPart,
@@ -53,6 +54,8 @@ class CollectorState:
       step: int32, the source's current training step.
       error_code, error_key, error_count: the first rejection under ``jit``, its key
         ``[5]``, and how many parts were rejected.
+      episodes: each environment's running episode (``RunningEpisodes``, ``[B]``):
+        the sums that the episode statistics of the next flush continue from.
     """
 
     policy: PyTree
@@ -67,6 +70,7 @@ class CollectorState:
     error_code: jax.Array
     error_key: jax.Array
     error_count: jax.Array
+    episodes: RunningEpisodes
 
     @property
     def stacked(self) -> bool:
@@ -140,6 +144,7 @@ def _init_one(plan, policy_example, env_example, source, step_id) -> CollectorSt
         error_code=jnp.zeros((), jnp.int32),
         error_key=jnp.zeros((5,), jnp.int32),
         error_count=jnp.zeros((), jnp.int32),
+        episodes=init_running(B),
     )
 
 
@@ -238,16 +243,47 @@ def materialize(
     ``Trajectory.from_steps``, or the plan's subclasses). Fields they pass through
     unchanged are the state's buffers themselves. ``s`` (traced) selects the source of
     a stacked state (a copy of its slice). Completeness is not checked here; the
-    output modes do.
+    output modes do. ``Trajectory.episodes`` holds the episodes that ended in the step.
     """
+    return materialize_running(plan, state, s)[0]
+
+
+def used_final_values(plan: TrajectoryPlan, traj: Trajectory) -> jax.Array | None:
+    """``traj.final_values`` where they are used, zero elsewhere: where a chunk's first
+    episode end bootstraps under ``plan.truncation_bootstrap`` and on each epoch's last
+    chunk (``V(s_T)``), the chunks whose env halves must carry them. A trajectory so does
+    not depend on whether terminal inference ran where nothing reads it."""
+    fv = traj.final_values
+    if fv is None:
+        return None
+    cut, _, _ = traj.transition().first_end_cuts(plan.truncation_bootstrap, rows_ndim=3)
+    T = fv.shape[1]
+    last = (jnp.arange(T) == T - 1).reshape((1, T, 1))
+    used = last if cut is None else cut | last
+    used = used.reshape(used.shape + (1,) * (fv.ndim - used.ndim))
+    return jnp.where(used, fv, jnp.zeros_like(fv))
+
+
+def materialize_running(
+    plan: TrajectoryPlan, state: CollectorState, s: jax.Array | None = None
+) -> tuple[Trajectory, RunningEpisodes]:
+    """:func:`materialize`, and the running episodes after the step (what a flush that
+    completes the step leaves in the state)."""
     take = _take(state, s)
     sources = take(state.sources)
-    return (plan.trajectory_type or Trajectory).from_steps(
+    step_id = take(state.step)
+    traj = (plan.trajectory_type or Trajectory).from_steps(
         source_steps(plan, state, s),
         take(state.initial),
         next_obs_given=take(state.next_obs_given),
         next_rlt_given=take(state.next_rlt_given),
-        step_id=take(state.step),
+        step_id=step_id,
         env_rank=sources[0],
         stage_id=sources[1],
     )
+    traj = traj.replace(final_values=used_final_values(plan, traj))
+    stats, after = episode_stats(
+        take(state.episodes), take(state.env).transition,
+        step_id=step_id, env_rank=sources[0], stage_id=sources[1],
+    )
+    return traj.replace(episodes=stats), after

@@ -212,6 +212,9 @@ class HostStorage:
         self._flat: list[list[np.ndarray]] = [None] * len(layouts)
         self._given: list[tuple] = [None] * len(layouts)
         self._spares: list[list[CollectorState]] = [[] for _ in layouts]
+        # Each state's running episodes (small, [.., B]): carried from flush to flush.
+        zeros = lambda x: np.zeros(x.shape, x.dtype)
+        self._episodes = [jax.tree.map(zeros, lay.episodes) for lay in layouts]
         for i, lay in enumerate(layouts):
             self._set(i, self._fresh(lay))
 
@@ -340,11 +343,14 @@ class HostStorage:
             error_code=np.zeros(lay.error_code.shape, np.int32),
             error_key=np.zeros(lay.error_key.shape, np.int32),
             error_count=np.zeros(lay.error_count.shape, np.int32),
+            episodes=jax.tree.map(np.copy, self._episodes[i]),
         )
         return full
 
     def after_flush(self, i: int, state: CollectorState) -> None:
-        pass  # coverage is the mirror's; the buffers are renewed when the step ends
+        # Coverage is the mirror's; the buffers are renewed when the step ends. The
+        # running episodes move on.
+        self._episodes[i] = jax.tree.map(np.array, state.episodes)
 
     def renew(self, i: int) -> None:
         """State ``i``'s step ended: the buffers just handed out join the spares, and the
@@ -401,6 +407,7 @@ class HostStorage:
                                            jax.tree.leaves((state.policy, state.env, state.initial)))]
         policy, env, initial = jax.tree.unflatten(tree, data)
         given = lambda x: None if x is None else np.array(x)
+        self._episodes[i] = jax.tree.map(np.array, state.episodes)
         self._set(i, lay.replace(
             policy=policy, env=env, initial=initial,
             next_obs_given=given(state.next_obs_given), next_rlt_given=given(state.next_rlt_given),

@@ -24,11 +24,15 @@ class Targets:
     Attributes:
       advantages: GAE advantages (critic-free: discounted returns).
       returns: ``advantages + values`` (critic-free: discounted returns).
-      rewards: chunk-level rewards (action-level rewards summed over the chunk, or
-        discounted inside it with ``plan.action_gamma``).
+      rewards: the chunks' training rewards (``EnvTransition.chunk_rewards``: the owned
+        actions' rewards summed or discounted with ``plan.action_gamma``, plus the
+        truncation bootstrap).
       dones: ``[E, T+1, B]`` chunk-level dones (any action of the chunk done).
       valid: rows that carry a real sample: all of them with ``auto_reset``;
         otherwise rows before the environment's first done of the epoch.
+      action_mask: ``[E, T, B, K]`` the actions each valid chunk's decision owns and
+        that ran (mask per-action log-probabilities with it); ``None`` where every
+        field is chunk-level.
     """
 
     advantages: jax.Array
@@ -36,26 +40,33 @@ class Targets:
     rewards: jax.Array
     dones: jax.Array
     valid: jax.Array
+    action_mask: jax.Array | None = None
 
 
 def chunk_level(
-    traj: Trajectory, action_gamma: float = 1.0
+    traj: Trajectory, plan: TrajectoryPlan | None = None
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """``(rewards [E, T, B], dones [E, T+1, B], values [E, T+1, B] or None)``.
 
-    Action-level rewards ``[E, T, B, K]`` are combined over the chunk as
-    ``r_t = sum_k action_gamma**k r_{t,k}`` (``1.0``: summed); a chunk is done if any
-    of its actions is (an auto-reset inside the chunk ends the episode there). Values
-    shaped ``[..., 1]`` are squeezed.
+    A chunk's reward is ``EnvTransition.chunk_rewards`` of its rewards and flags with the
+    plan's ``gamma``, ``action_gamma`` and ``truncation_bootstrap``: the actions the
+    chunk's decision owns (up to and including its first episode end, and that ran),
+    summed or discounted inside the chunk, plus ``gamma * action_gamma**(k + 1 - K) *
+    V(final obs)`` where a truncation at action ``k`` ended it. A chunk is done if any of
+    its actions is. Values shaped ``[..., 1]`` are squeezed.
     """
-    rewards = traj.rewards
-    if rewards.ndim == 4:
-        if action_gamma != 1.0:
-            k = rewards.shape[-1]
-            rewards = rewards * (action_gamma ** jnp.arange(k, dtype=rewards.dtype)).reshape(
-                1, 1, 1, k
-            )
-        rewards = rewards.sum(axis=-1)
+    plan = plan if plan is not None else TrajectoryPlan(num_chunks=1)
+    final = traj.final_values
+    if final is not None and final.ndim == 4:
+        final = final[..., 0]
+    rewards = traj.transition().chunk_rewards(
+        traj.rewards,
+        final,
+        gamma=plan.gamma,
+        action_gamma=plan.action_gamma,
+        bootstrap=plan.truncation_bootstrap,
+        rows_ndim=3,
+    )
     dones = traj.dones
     if dones.ndim == 4:
         dones = dones.any(axis=-1)
@@ -79,7 +90,7 @@ def trajectory_targets(
         set, rows whose oldest action came from a version more than that many
         versions older are not ``valid`` (masked out of the loss and normalisation).
     """
-    rewards, dones, values = chunk_level(traj, plan.action_gamma)
+    rewards, dones, values = chunk_level(traj, plan)
     swap = lambda x: jnp.swapaxes(x, 0, 1)  # [E, T, B] -> [T, E, B]: time-major, epochs batched
     if plan.advantage == "gae" and values is not None:
         a, r = adv_lib.gae(
@@ -96,4 +107,10 @@ def trajectory_targets(
         staleness = traj.staleness(current_version)
         staleness = staleness.reshape(staleness.shape[:3] + (-1,)).max(axis=-1)
         valid = valid & (staleness <= plan.max_staleness)
-    return Targets(advantages=swap(a), returns=swap(r), rewards=rewards, dones=dones, valid=valid)
+    mask = traj.action_mask
+    if mask is not None:
+        mask = mask & valid[..., None]
+    return Targets(
+        advantages=swap(a), returns=swap(r), rewards=rewards, dones=dones, valid=valid,
+        action_mask=mask,
+    )

@@ -95,7 +95,10 @@ def rows_of(payload: PyTree) -> int:
     return sizes.pop()
 
 
-_PER_ACTION = ("rewards", "terminations", "truncations", "dones", "reward_model_output", "success")
+_PER_ACTION = (
+    "rewards", "terminations", "truncations", "dones", "reward_model_output", "success",
+    "valid_actions",
+)
 
 
 def chunk_size(actions: Any, transition: Any, start: int = 1, key: Any = None) -> int:
@@ -277,6 +280,17 @@ class EnvTransition:
       success: ``[B]`` or ``[B, K]`` bool, the task was accomplished at that action (an
         info flag such as ``is_success``, or the termination of a task that ends when it
         succeeds); lerobot mode records it as ``next.success``.
+      valid_actions: ``[B, K]`` bool, the actions of the chunk the environment executed
+        (the original system's ``valid_action_mask``); absent: all of them. An
+        environment that cuts a chunk at an episode end gives a leading run of ``True``
+        ending on the action flagged done; EnvPool's reset step (the step after a done,
+        whose action is not executed) is ``False``. Slots that did not run carry zero
+        rewards and false flags. See :meth:`owned_actions` for the rule.
+
+    The chunk-end rule. A chunk's decision owns its actions up to and including the
+    first episode end in it; actions after that end are not part of its return (under
+    ``chunk_end="continue"`` they ran in the next episode, under ``"cut"`` they never
+    ran). :meth:`owned_actions` is that mask, :meth:`chunk_rewards` the chunk's reward.
     """
 
     rewards: Array | None = None
@@ -287,6 +301,115 @@ class EnvTransition:
     intervene_flags: Array | None = None
     reward_model_output: Array | None = None
     success: Array | None = None
+    valid_actions: Array | None = None
+
+    def ran_actions(self, rows_ndim: int = 1, xp: Any = jnp) -> Array | None:
+        """``[..., K]`` bool: the actions that ran (``valid_actions``, else every action
+        of a chunk whose rewards or flags are per action); ``None`` where every field is
+        chunk-level.
+
+        Args:
+          rows_ndim: the rank of a row field (``1`` for a part's ``[B]``, ``3`` for a
+            buffer's ``[E, T, B]``); an action-level field has one more axis.
+        """
+        if self.valid_actions is not None:
+            return xp.asarray(self.valid_actions, bool)
+        for x in (self.resolved_dones(xp), self.rewards, self.reward_model_output):
+            if x is not None and np.ndim(x) > rows_ndim:
+                return xp.ones(np.shape(x), bool)
+        return None
+
+    def owned_actions(self, rows_ndim: int = 1, xp: Any = jnp) -> Array | None:
+        """``[..., K]`` bool: the actions the chunk's decision owns and that ran.
+
+        An action is owned if it ran (:meth:`ran_actions`) and no action before it in
+        the chunk ended an episode: the chunk's first end is its last owned action.
+        ``None`` where every field is chunk-level (every action of a chunk is owned).
+        """
+        ran = self.ran_actions(rows_ndim, xp)
+        if ran is None:
+            return None
+        dones = self.resolved_dones(xp)
+        if dones is None or np.ndim(dones) <= rows_ndim:
+            return ran
+        dones = xp.asarray(dones, bool) & ran
+        before = xp.cumsum(dones, axis=-1, dtype=np.int32) - dones.astype(np.int32)
+        return ran & (before == 0)
+
+    def chunk_rewards(
+        self,
+        rewards: Array,
+        final_values: Array | None = None,
+        *,
+        gamma: float = 0.99,
+        action_gamma: float = 1.0,
+        bootstrap: str = "truncated",
+        rows_ndim: int = 1,
+    ) -> Array:
+        """The chunk's training reward: the one statement of the chunk-end rule.
+
+        With ``g = action_gamma`` and the chunk's first episode end at action ``k``
+        (``k = K - 1`` for a chunk that runs to its end)::
+
+            r_chunk = sum_{j <= k, j ran} g**j r_j  +  cut * gamma * g**(k + 1 - K) * V
+
+        where ``V = V(final obs)`` (``final_values``, terminal inference) and ``cut`` says
+        the first end is one that bootstraps (``bootstrap="truncated"``: a truncation,
+        ``"done"``: any end, ``"none"``: never). With ``g`` the per-action discount and
+        ``gamma = g**K`` the bootstrap is ``g**(k + 1) V``: a chunk-start return equals
+        the per-action discounted return. With ``g = 1`` (rewards summed) it is
+        ``gamma * V``, the original system's rule without the next episode's rewards.
+        A termination never bootstraps under ``"truncated"``. Rewards of actions after
+        the end (run in the next episode, or not run) are never summed in.
+
+        Args:
+          rewards: composed rewards (:meth:`compute_rewards`), ``[...]`` chunk-level or
+            ``[..., K]`` action-level.
+          final_values: ``[...]`` (or ``[..., 1]``) ``V(final obs)``, or ``None``.
+          rows_ndim: the rank of a row field (see :meth:`ran_actions`).
+
+        Returns:
+          ``[...]``, the chunk-level reward.
+        """
+        rewards = jnp.asarray(rewards)
+        owned = self.owned_actions(rows_ndim)
+        if rewards.ndim > rows_ndim:  # action-level: the owned actions, discounted
+            K = rewards.shape[-1]
+            disc = (action_gamma ** np.arange(K)).astype(rewards.dtype)
+            disc = disc.reshape((1,) * (rewards.ndim - 1) + (K,))
+            total = jnp.sum(jnp.where(owned, rewards * disc, 0), axis=-1)
+        else:
+            total = rewards
+        if final_values is None:
+            return total
+        cut_first, k, K = self.first_end_cuts(bootstrap, rows_ndim)
+        if cut_first is None:
+            return total
+        values = jnp.asarray(final_values, total.dtype)
+        if values.ndim == total.ndim + 1:
+            values = values[..., 0]
+        weight = gamma
+        if k is not None:  # per-action flags: the end at action k of K
+            weight = gamma * jnp.asarray(action_gamma, total.dtype) ** (k + 1 - K).astype(
+                total.dtype
+            )
+        return total + jnp.where(cut_first, weight * values, 0).astype(total.dtype)
+
+    def first_end_cuts(self, bootstrap: str = "truncated", rows_ndim: int = 1) -> tuple:
+        """``(cut [...], k [...], K)``: whether the chunk's first episode end is one that
+        bootstraps (under ``bootstrap``, see :meth:`cut_flags`), at which action ``k`` it
+        is and ``K``; ``k`` and ``K`` are ``None`` for chunk-level flags (the end is the
+        chunk's last action), ``cut`` is ``None`` without flags."""
+        cut = self.cut_flags(bootstrap)
+        if cut is None:
+            return None, None, None
+        cut = jnp.asarray(cut, bool)
+        if cut.ndim <= rows_ndim:
+            return cut, None, None
+        owned = self.owned_actions(rows_ndim)
+        first = jnp.asarray(self.resolved_dones(), bool) & owned  # one-hot at most
+        return jnp.any(cut & first, axis=-1), jnp.argmax(first, axis=-1), cut.shape[-1]
+
 
     def resolved_dones(self, xp: Any = jnp) -> Array | None:
         """``dones`` if given, else ``terminations | truncations`` (``None`` if neither).
@@ -304,8 +427,8 @@ class EnvTransition:
         obs)``: ``truncations`` under ``"truncated"``, any done under ``"done"``, none
         under ``"none"``; ``None`` where the transition carries no such flags.
 
-        The one statement of which flags cut an episode: reward composition and the
-        collector's checks both read it.
+        The one statement of which flags cut an episode: the chunk's training reward
+        (:meth:`chunk_rewards`) and the collector's checks both read it.
         """
         if bootstrap == "truncated":
             return self.truncations
@@ -321,27 +444,16 @@ class EnvTransition:
 
     def compute_rewards(
         self,
-        final_values: Array | None = None,
         *,
         env_reward_weight: float = 1.0,
         reward_model_weight: float = 1.0,
-        gamma: float = 0.99,
-        bootstrap: str = "truncated",
     ) -> Array | None:
-        """Training rewards of the chunk.
+        """The chunk's composed rewards, per action as given: ``w_env * rewards +
+        w_rm * reward_model_output``. The truncation bootstrap is not here: it belongs to
+        the chunk's training reward (:meth:`chunk_rewards`), which the training targets
+        compute (:func:`jaxtraj.targets.trajectory_targets`).
 
-        ``w_env * rewards + w_rm * reward_model_output``, then, where an episode was cut
-        (``bootstrap="truncated"``: by truncation; ``"done"``: by any done; ``"none"``:
-        never), ``gamma * V(final obs)`` from terminal inference is added to the reward
-        of the action that ended it, so the cut trace still bootstraps. A termination
-        never bootstraps under ``"truncated"``.
-
-        Args:
-          final_values: ``[B]`` ``V(final obs)`` from terminal inference (zero where
-            absent), or ``None``.
-
-        Shapes: ``rewards [B]`` or ``[B, K]``; flags ``[B]`` or ``[B, K]``. Chunk-level
-        rewards take the bootstrap if any action of the chunk was cut.
+        Shapes: ``rewards [B]`` or ``[B, K]``; ``reward_model_output`` alike.
         """
         if self.rewards is None:
             return None
@@ -352,20 +464,7 @@ class EnvTransition:
             rewards = rewards + reward_model_weight * jnp.asarray(
                 self.reward_model_output, jnp.result_type(rewards)
             )
-        cut = self.cut_flags(bootstrap)
-        if final_values is None or cut is None:
-            return rewards
-        values = jnp.asarray(final_values, rewards.dtype)  # [..., B] or [..., B, 1]
-        if values.ndim == rewards.ndim + 1:
-            values = values[..., 0]
-        elif values.ndim == rewards.ndim - 1:
-            values = values[..., None]
-        cut = jnp.asarray(cut)
-        if cut.ndim > rewards.ndim:  # action-level flags, chunk-level rewards
-            cut = cut.any(axis=-1)
-        elif cut.ndim < rewards.ndim:  # chunk-level flags, action-level rewards: the last action
-            cut = jnp.zeros(rewards.shape, bool).at[..., -1].set(cut)
-        return rewards + gamma * values * cut.astype(rewards.dtype)
+        return rewards
 
 
 @struct.dataclass
@@ -531,6 +630,14 @@ class TrajectoryStep:
     next_rlt_obs: PyTree | None = None
     action_obs: PyTree | None = None
     success: Array | None = None
+    valid_actions: Array | None = None
+
+    def transition(self) -> EnvTransition:
+        """The step's flags and rewards as an :class:`EnvTransition` (for its rules)."""
+        return EnvTransition(
+            rewards=self.rewards, terminations=self.terminations, truncations=self.truncations,
+            dones=self.dones, valid_actions=self.valid_actions,
+        )
 
     @classmethod
     def from_parts(
@@ -538,9 +645,11 @@ class TrajectoryStep:
     ) -> TrajectoryStep:
         """Resolve one joined pair (or a buffer of pairs) into a step.
 
-        Rewards come from ``EnvTransition.compute_rewards`` with the plan's weights,
-        ``gamma`` and ``truncation_bootstrap`` (defaults without a plan); executed human
-        actions replace the policy's through :meth:`apply_interventions`.
+        Rewards come from ``EnvTransition.compute_rewards`` with the plan's weights
+        (defaults without a plan): what the environment and the reward model gave, per
+        action as given, without the truncation bootstrap (the training targets add it:
+        ``EnvTransition.chunk_rewards``); executed human actions replace the policy's
+        through :meth:`apply_interventions`.
         """
         plan = plan if plan is not None else TrajectoryPlan(num_chunks=1)  # its defaults
         out, tr = policy.output, env.transition
@@ -553,11 +662,8 @@ class TrajectoryStep:
             forward_inputs=out.forward_inputs,
             bootstrap_values=out.bootstrap_values,
             rewards=tr.compute_rewards(
-                env.final_values,
                 env_reward_weight=plan.env_reward_weight,
                 reward_model_weight=plan.reward_model_weight,
-                gamma=plan.gamma,
-                bootstrap=plan.truncation_bootstrap,
             ),
             dones=tr.resolved_dones(),
             terminations=tr.terminations,
@@ -570,6 +676,7 @@ class TrajectoryStep:
             next_rlt_obs=env.next_rlt_obs if plan.enable_rlt else None,
             action_obs=env.action_obs,
             success=tr.success,
+            valid_actions=tr.valid_actions,
         )
         if tr.intervene_actions is not None:
             step = step.apply_interventions(tr.intervene_actions, tr.intervene_flags)
@@ -634,8 +741,17 @@ class Trajectory:
         rlt_obs, next_rlt_obs: {z_rl, proprio, ref_chunk} [E, T, B, ...] (enable_rlt only)
         action_obs:     [E, T, B, K, ...] (lerobot mode, when env halves carry them)
         success:        [E, T, B(, K)] (when env halves carry it)
+        final_values:   [E, T, B(, 1)] V(final obs) where it is used (when values are used)
+        valid_actions:  [E, T, B, K] the actions that ran (when env halves carry it)
+        action_mask:    [E, T, B, K] the actions each chunk's decision owns and that ran
+                        (None when every field is chunk-level: all of them)
+        episodes:       the episodes that ended in the step (an EpisodeStats)
 
-    ``step_id``, ``env_rank`` and ``stage_id`` name the source and step.
+    ``rewards`` record what the environment (and a reward model) gave, composed with the
+    plan's weights: never the truncation bootstrap, which the training targets add
+    (:func:`jaxtraj.targets.trajectory_targets`, the rule of
+    ``EnvTransition.chunk_rewards``). Mask per-action log-probabilities with
+    ``action_mask``. ``step_id``, ``env_rank`` and ``stage_id`` name the source and step.
     """
 
     obs: PyTree
@@ -658,6 +774,20 @@ class Trajectory:
     stage_id: Array
     action_obs: PyTree | None = None
     success: Array | None = None
+    final_values: Array | None = None
+    valid_actions: Array | None = None
+    action_mask: Array | None = None
+    episodes: Any = None
+
+    def transition(self) -> EnvTransition:
+        """The chunks' rewards and flags (boundary index dropped) as an
+        :class:`EnvTransition`, leaves ``[E, T, B(, K)]``, for its rules."""
+        after = lambda x: None if x is None else x[:, 1:]
+        return EnvTransition(
+            rewards=self.rewards, terminations=after(self.terminations),
+            truncations=after(self.truncations), dones=after(self.dones),
+            valid_actions=self.valid_actions,
+        )
 
     def intervened_segments(self, mode: str = "any") -> list[tuple[int, int, int, int]]:
         """Runs of intervened chunks, for DAgger- or HIL-style training (host side).
@@ -745,6 +875,9 @@ class Trajectory:
             stage_id=jnp.asarray(stage_id, jnp.int32),
             action_obs=steps.action_obs,
             success=steps.success,
+            final_values=steps.final_values,
+            valid_actions=steps.valid_actions,
+            action_mask=steps.transition().owned_actions(rows_ndim=3),
         )
 
 
@@ -794,9 +927,13 @@ def trajectory_frames(
     ``[n, B, H, W, 3]``); any other ``[H, W, C]`` leaf raises ``ValueError`` (convert
     it to ``uint8`` RGB first); scalars and other ranks are not exported.
 
+    Per action, only actions that ran are frames: ``valid [n, B]`` is false on the
+    slots of a chunk cut at an episode end (``EnvTransition.valid_actions``) and on
+    EnvPool's reset steps; per chunk every chunk is a frame.
+
     Returns:
-      ``(frames, done)``: leaves ``[n, B, ...]`` (scalars as ``[n, B, 1]``) and
-      ``done [n, B]`` bool, ``n`` being ``E*T*K`` or ``E*T``.
+      ``(frames, done, valid)``: leaves ``[n, B, ...]`` (scalars as ``[n, B, 1]``),
+      ``done [n, B]`` bool and ``valid [n, B]`` bool, ``n`` being ``E*T*K`` or ``E*T``.
     """
     k = actions_per_chunk
     obs = traj.obs if isinstance(traj.obs, dict) else {state_key: traj.obs}
@@ -840,4 +977,9 @@ def trajectory_frames(
         frames["intervention"] = _event_frames(flags, per_action, k, jnp.any)
     if traj.success is not None:
         frames["next.success"] = _event_frames(traj.success, per_action, k, jnp.any)
-    return frames, frames["next.done"][..., 0]
+    done = frames["next.done"][..., 0]
+    if per_action and traj.valid_actions is not None:
+        valid = _flat_actions(traj.valid_actions)
+    else:
+        valid = jnp.ones(done.shape, bool)
+    return frames, done, valid

@@ -100,12 +100,17 @@ def all_parts(env_rank=0, step=0, stage=0, per_action=False):
     return out
 
 
-def reference(env_rank=0, step=0):
-    """The ``Trajectory`` of a clean collector fed ``all_parts`` in order, one at a time."""
-    c = TrajectoryCollector(PLAN, policy_part(0), env_part(0), step_id=step)
+def reference(env_rank=0, step=0, fresh=False):
+    """The ``Trajectory`` of step ``step`` of a clean collector fed ``all_parts`` of steps
+    ``0 .. step`` in order, one at a time (the earlier steps too: the episodes that end in
+    a step count from where they began, and the running sums carry over). ``fresh``: a
+    collector that starts at ``step`` (``step_id=step``), with no episode under way."""
+    c = TrajectoryCollector(PLAN, policy_part(0), env_part(0), step_id=step if fresh else 0)
     out = []
-    for p in all_parts(env_rank, step):
-        out += c.add(p)
+    for k in range(step if fresh else 0, step + 1):
+        out = []
+        for p in all_parts(env_rank, k):
+            out += c.add(p)
     assert len(out) == 1
     return out[0][1]
 

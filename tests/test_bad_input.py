@@ -185,7 +185,7 @@ def test_facade_rejects_and_keeps_everything(name, make, code):
     for p in rest:
         out += c.add(p)
     assert len(out) == 1
-    assert_same(out[0][1], reference(step=STEP))
+    assert_same(out[0][1], reference(step=STEP, fresh=True))
 
 
 @pytest.mark.parametrize("name,make", STRUCTURE_CASES, ids=[c[0] for c in STRUCTURE_CASES])
@@ -205,7 +205,7 @@ def test_structure_rejected_before_tracing(name, make):
     out = []
     for p in rest:
         out += c.add(p)
-    assert_same(out[0][1], reference(step=STEP))
+    assert_same(out[0][1], reference(step=STEP, fresh=True))
 
 
 def test_flush_of_incomplete_scope():
@@ -219,7 +219,7 @@ def test_flush_of_incomplete_scope():
     for p in rest:
         assert c.add(p) == []
     assert c.ready() == [(0, 0)]
-    assert_same(c.flush(0, 0)[0][1], reference(step=STEP))
+    assert_same(c.flush(0, 0)[0][1], reference(step=STEP, fresh=True))
 
 
 _add_policy = jax.jit(jaxtraj.add_policy, static_argnums=0, donate_argnums=1)
@@ -259,7 +259,7 @@ def test_jitted_functions_record_error_and_keep_data(name, make, code):
         state = _pure_add(state, p)
     traj, state = _flush(PLAN, state, 0)
     assert int(np.sum(state.error_count)) == 1  # nothing else was rejected
-    assert_same(traj, reference(step=STEP))
+    assert_same(traj, reference(step=STEP, fresh=True))
 
 
 def test_jitted_flush_of_incomplete_scope_records_error():
@@ -280,7 +280,7 @@ def test_add_many_is_all_or_nothing():
     assert info.value.code == ErrorCode.CHUNK_OUT_OF_RANGE
     assert_same(snapshot(c.state), before)
     out = c.add_many(rest)
-    assert_same(out[0][1], reference(step=STEP))
+    assert_same(out[0][1], reference(step=STEP, fresh=True))
 
 
 def _overlapping_fragments(sizes):
@@ -315,7 +315,7 @@ def test_add_many_rejects_rows_repeated_within_the_batch(name, batch, stacked, m
     assert_same(snapshot(c.state), before)
     out = c.add_many(rest)
     assert len(out) == 1
-    assert_same(out[0][1], reference(step=STEP))
+    assert_same(out[0][1], reference(step=STEP, fresh=True))
 
 
 @pytest.mark.parametrize("stacked", [False, True], ids=["one by one", "stacked"])
@@ -382,7 +382,7 @@ def test_a_stack_with_uint64_keys_collects_as_int64_keys_do():
     for group in jaxtraj.stack_parts(as_u64):
         out += c.add_many(group)
     assert len(out) == 1
-    assert_same(out[0][1], reference(step=STEP))
+    assert_same(out[0][1], reference(step=STEP, fresh=True))
 
 
 def test_a_stack_with_an_offset_near_the_int64_limit_is_out_of_range():

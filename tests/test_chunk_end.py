@@ -471,9 +471,9 @@ def test_sync_runner_cut_over_gymnax_equals_a_single_env_loop(k, standard_promot
     np.testing.assert_array_equal(np.asarray(traj.rewards), stack("rewards"))
     np.testing.assert_array_equal(np.asarray(traj.terminations)[:, 1:], stack("terminations"))
     np.testing.assert_array_equal(np.asarray(traj.truncations)[:, 1:], stack("truncations"))
-    # V(final obs) is kept where it is read: chunks with an episode end, and each
-    # epoch's last chunk (the bootstrap V(s_T)).
-    used = (stack("terminations") | stack("truncations")).any(-1)
+    # V(final obs) is kept where it is read: chunks whose (first) episode end is a
+    # truncation (the plan's truncation_bootstrap), and each epoch's last chunk (V(s_T)).
+    used = stack("truncations").any(-1)
     used[:, -1] = True
     np.testing.assert_allclose(
         np.asarray(traj.final_values), np.where(used, stack("final_values"), 0),

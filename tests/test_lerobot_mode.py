@@ -147,7 +147,7 @@ def test_interventions_travel_with_their_frames():
         return f
 
     traj = collect_intervened(flags_of)
-    frames, _ = jaxtraj.types.trajectory_frames(traj, per_action=True, actions_per_chunk=K)
+    frames, _, _ = jaxtraj.types.trajectory_frames(traj, per_action=True, actions_per_chunk=K)
     flags = np.asarray(frames["intervention"])[..., 0]  # [n, B], n = E*T*K, time-ordered
     expect = np.zeros_like(flags)
     expect[(0 * T + 1) * K + 1, 2] = True
@@ -155,7 +155,7 @@ def test_interventions_travel_with_their_frames():
     np.testing.assert_array_equal(
         frames["action"][(0 * T + 1) * K + 1, 2], 99.0
     )  # the human action
-    per_chunk, _ = jaxtraj.types.trajectory_frames(traj, per_action=False, actions_per_chunk=K)
+    per_chunk, _, _ = jaxtraj.types.trajectory_frames(traj, per_action=False, actions_per_chunk=K)
     assert (
         np.asarray(per_chunk["intervention"])[0 * T + 1, 2, 0]
         and int(np.asarray(per_chunk["intervention"]).sum()) == 1
@@ -272,9 +272,12 @@ def test_dataset_rewards_are_the_environments_never_the_truncation_bootstrap():
     for part in parts:
         c.add(part)
     assert len(writer.episodes) == 2 * B  # each env: the truncated episode, the terminated one
-    rollout = jaxtraj.TrajectoryCollector(dataclasses.replace(plan, mode="rollout"), *parts[:2])
+    rollout_plan = dataclasses.replace(plan, mode="rollout")
+    rollout = jaxtraj.TrajectoryCollector(rollout_plan, *parts[:2])
     ((_, traj),) = [item for part in parts for item in rollout.add(part)]
-    np.testing.assert_allclose(np.asarray(traj.rewards)[0, 0], np.arange(B) + 5.0)  # training
+    np.testing.assert_allclose(np.asarray(traj.rewards)[0, 0], np.arange(B))  # as given
+    targets = jaxtraj.trajectory_targets(rollout_plan, traj)
+    np.testing.assert_allclose(np.asarray(targets.rewards)[0, 0], np.arange(B) + 5.0)  # training
     by_env = {}
     for frames, task in zip(writer.episodes, writer.tasks):
         assert task == "pick"

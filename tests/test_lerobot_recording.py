@@ -78,12 +78,13 @@ class Counting(gym.Env):
         return self._obs(), reward, terminated, truncated, {"is_success": terminated}
 
 
-def make_env(rank, mode):
+def make_env(rank, mode, chunk_end):
     from gymnasium.vector import SyncVectorEnv
 
     vec = SyncVectorEnv([lambda j=j: Counting(rank, j) for j in range(B)], autoreset_mode=mode)
     return GymnasiumEnv(
-        vec, actions_per_chunk=K, obs_key=None, per_action_obs=True, success="is_success", seed=0
+        vec, actions_per_chunk=K, obs_key=None, per_action_obs=True, success="is_success", seed=0,
+        chunk_end=chunk_end,
     )
 
 
@@ -92,9 +93,10 @@ def policy_actions(rank, step, t):
     return (base + np.arange(B * K * A, dtype=np.float32).reshape(B, K, A) / 100).astype(np.float32)
 
 
-def record(root, mode):
+def record(root, mode, chunk_end="cut"):
     """A hand-written service loop (what a runner does), recording STEPS training steps
-    of two ranks, then ending the recording. Returns what was executed, by frame."""
+    of two ranks, then ending the recording. Returns what was executed, by frame: every
+    action under "continue", the actions up to an episode's end under "cut"."""
     plan = TrajectoryPlan(
         num_chunks=T,
         batch_size=B,
@@ -104,7 +106,7 @@ def record(root, mode):
         max_episode_length=64,
         lerobot_state_key="state",
     )
-    envs = [make_env(r, mode) for r in range(RANKS)]
+    envs = [make_env(r, mode, chunk_end) for r in range(RANKS)]
     out_example = PolicyOutput(
         actions=np.zeros((B, K, A), np.float32),
         prev_logprobs=np.zeros((B, K, A), np.float32),
@@ -155,9 +157,14 @@ def record(root, mode):
                 seen = step_out.action_obs["state"]  # [B, K, 2]
                 done = tr.terminations | tr.truncations
                 mid_chunk_ends += int(done[:, :-1].sum())
+                ran = np.ones((B, K), bool) if tr.valid_actions is None else tr.valid_actions
+                assert (chunk_end == "cut") == (tr.valid_actions is not None)
                 for b in range(B):
                     for k in range(K):
+                        if not ran[b, k]:  # cut: nothing ran after the episode's end
+                            continue
                         c, f = (int(v) for v in seen[b, k])
+                        assert (c, f) not in executed
                         taken = np.where(flags[b, k], human[b, k], actions[b, k])
                         executed[(c, f)] = (taken, bool(flags[b, k]))
                 obs, prev = step_out.obs, tr
@@ -181,17 +188,22 @@ def read(root):
     return data.to_pydict(), meta.to_pydict(), json.loads((root / "meta/info.json").read_text())
 
 
-@pytest.mark.parametrize("mode", ["NEXT_STEP", "SAME_STEP"])
-def test_every_frame_shows_what_the_robot_saw_and_did(tmp_path, mode):
+@pytest.mark.parametrize(
+    "mode,chunk_end", [("NEXT_STEP", "cut"), ("SAME_STEP", "cut"), ("NEXT_STEP", "continue")]
+)
+def test_every_frame_shows_what_the_robot_saw_and_did(tmp_path, mode, chunk_end):
     from gymnasium.vector import AutoresetMode
 
     from jaxtraj.lerobot import video
 
     root = tmp_path / "ds"
-    executed, ended = record(root, getattr(AutoresetMode, mode))
+    executed, ended = record(root, getattr(AutoresetMode, mode), chunk_end)
     data, meta, info = read(root)
-    # Ending the recording wrote every frame: one per action taken.
-    assert info["total_frames"] == len(data["index"]) == RANKS * STEPS * T * K * B
+    # Ending the recording wrote every frame: one per action taken (a chunk cut at an end
+    # records only the actions that ran).
+    assert info["total_frames"] == len(data["index"]) == len(executed)
+    every = RANKS * STEPS * T * K * B
+    assert len(executed) == every if chunk_end == "continue" else len(executed) < every
     assert ended > 0
     state = np.asarray(data["observation.state"], np.float64)
     reward = np.asarray(data["next.reward"], np.float64).reshape(-1)
@@ -249,7 +261,7 @@ def test_lerobot_loads_the_recording_frame_by_frame(tmp_path, lerobot_dataset):
         ds = lerobot_dataset.LeRobotDataset(
             "local/jaxtraj_recording", root=root, video_backend="pyav"
         )
-        assert len(ds) == info["total_frames"] == RANKS * STEPS * T * K * B
+        assert len(ds) == info["total_frames"] == len(executed)
         assert ds.num_episodes == info["total_episodes"]
         for i in range(len(ds)):
             item = ds[i]

@@ -60,11 +60,13 @@ def collect(plan, ps):
     return out[0][1]
 
 
-def test_truncation_bootstraps_through_reward_composition():
+def test_truncation_bootstraps_through_the_chunk_reward():
     plan = jaxtraj.TrajectoryPlan(num_chunks=3, batch_size=1, gamma=0.9, gae_lambda=0.5)
     traj = collect(plan, parts())
+    np.testing.assert_allclose(traj.rewards[0, :, 0], [1.0, 2.0, 3.0])  # as the env gave them
     # r_1 = 2 + gamma * V(final obs) = 2 + 0.9 * 4 = 5.6; the truncation cuts the trace.
-    np.testing.assert_allclose(traj.rewards[0, :, 0], [1.0, 5.6, 3.0], rtol=1e-6)
+    tg = jaxtraj.trajectory_targets(plan, traj)
+    np.testing.assert_allclose(tg.rewards[0, :, 0], [1.0, 5.6, 3.0], rtol=1e-6)
     np.testing.assert_array_equal(traj.dones[0, :, 0], [False, False, True, False])
     np.testing.assert_allclose(traj.prev_values[0, :, 0], [0.5, 1.0, 1.5, 2.0])
     tg = jaxtraj.trajectory_targets(plan, traj)
@@ -137,7 +139,7 @@ def test_a_done_in_the_middle_of_a_chunk():
     # A_2 = 3 + 0.9*2 - 1.5 = 3.3; A_1 = 2 - 1 = 1.0; A_0 = 1 + 0.9*1 - 0.5 + 0.45*1.0 = 1.85
     np.testing.assert_allclose(tg.advantages[0, :, 0], [1.85, 1.0, 3.3], rtol=1e-5)
     # As dataset frames (one per action) the episode ends exactly there.
-    frames, done = jaxtraj.types.trajectory_frames(traj, per_action=True, actions_per_chunk=2)
+    frames, done, _ = jaxtraj.types.trajectory_frames(traj, per_action=True, actions_per_chunk=2)
     np.testing.assert_array_equal(done[:, 0], [False, False, True, False, False, False])
 
 

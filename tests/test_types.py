@@ -109,9 +109,11 @@ def test_from_parts_without_a_plan_uses_the_plans_defaults():
     p, v = _truncated_pair()
     bare = TrajectoryStep.from_parts(p, v)
     assert_same(bare, TrajectoryStep.from_parts(p, v, TrajectoryPlan(num_chunks=1)))
-    # The bootstrap makes gamma visible: a different gamma gives different rewards.
-    other = TrajectoryStep.from_parts(p, v, TrajectoryPlan(num_chunks=1, gamma=0.5))
+    # The reward weights make the plan visible: another weight gives other rewards.
+    other = TrajectoryStep.from_parts(p, v, TrajectoryPlan(num_chunks=1, env_reward_weight=0.5))
     assert not np.array_equal(bare.rewards, other.rewards)
+    # The rewards are the environment's: the truncation bootstrap is the targets' business.
+    np.testing.assert_array_equal(bare.rewards, v.transition.rewards)
 
 
 def test_from_parts_without_a_plan_follows_the_plan_defaults_when_they_change(monkeypatch):
@@ -119,8 +121,8 @@ def test_from_parts_without_a_plan_follows_the_plan_defaults_when_they_change(mo
     import jaxtraj.types
 
     p, v = _truncated_pair()
-    want = TrajectoryStep.from_parts(p, v, TrajectoryPlan(num_chunks=1, gamma=0.5))
-    patched = functools.partial(TrajectoryPlan, gamma=0.5)  # a plan whose default gamma moved
+    want = TrajectoryStep.from_parts(p, v, TrajectoryPlan(num_chunks=1, env_reward_weight=0.5))
+    patched = functools.partial(TrajectoryPlan, env_reward_weight=0.5)  # a moved default
     monkeypatch.setattr(jaxtraj.types, "TrajectoryPlan", patched)
     assert_same(TrajectoryStep.from_parts(p, v), want)
 
@@ -159,19 +161,35 @@ def test_cut_flags_say_which_flags_cut_an_episode():
     for bootstrap in ("truncated", "done", "none"):
         assert bare.cut_flags(bootstrap, np) is None
         np.testing.assert_array_equal(
-            bare.compute_rewards(np.full((B,), 5.0, np.float32), bootstrap=bootstrap),
+            bare.chunk_rewards(bare.rewards, np.full((B,), 5.0, np.float32), bootstrap=bootstrap),
             bare.rewards,
         )
 
 
-def test_compute_rewards_bootstraps_exactly_the_cut_flags():
+def test_chunk_rewards_bootstrap_exactly_the_cut_flags():
     r = np.arange(B, dtype=np.float32)
     term = np.array([True, False, False, False])
     trunc = np.array([False, True, False, False])
     v = np.full((B,), 10.0, np.float32)
     tr = EnvTransition(rewards=r, terminations=term, truncations=trunc)
+    np.testing.assert_array_equal(tr.compute_rewards(), r)  # no bootstrap in composition
     for bootstrap in ("truncated", "done", "none"):
         cut = tr.cut_flags(bootstrap, np)
         want = r + (0.5 * v * cut if cut is not None else 0)
-        got = tr.compute_rewards(v, gamma=0.5, bootstrap=bootstrap)
+        got = tr.chunk_rewards(r, v, gamma=0.5, bootstrap=bootstrap)
         np.testing.assert_allclose(got, want)
+
+
+def test_owned_actions_end_at_the_first_end_and_skip_what_did_not_run():
+    dones = np.array([[False, True, False, True], [False, False, False, False],
+                      [True, False, False, False], [False, False, False, False]])
+    valid = np.array([[True, True, False, True], [True] * 4, [True, False, False, False],
+                      [False, True, True, True]])
+    tr = EnvTransition(rewards=np.zeros((B, 4), np.float32), terminations=dones,
+                       truncations=np.zeros_like(dones))
+    np.testing.assert_array_equal(tr.owned_actions(xp=np), [[1, 1, 0, 0], [1] * 4, [1, 0, 0, 0],
+                                                           [1] * 4])
+    np.testing.assert_array_equal(tr.replace(valid_actions=valid).owned_actions(xp=np),
+                                  [[1, 1, 0, 0], [1] * 4, [1, 0, 0, 0], [0, 1, 1, 1]])
+    # Chunk-level flags and rewards: every action is owned.
+    assert EnvTransition(rewards=np.zeros((B,)), terminations=dones[:, 0]).owned_actions() is None

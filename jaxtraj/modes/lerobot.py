@@ -95,17 +95,20 @@ def flush(
     """Flush one single-source state's complete step into its running episodes.
 
     A dataset records what the environment gave: rewards are composed with the plan's
-    weights and reward model, never with the truncation bootstrap ``gamma * V(final
-    obs)`` (a device of the advantage computation, which rollout and pipeline modes add).
+    weights and reward model (``Trajectory.rewards``), never with the truncation bootstrap
+    ``gamma * V(final obs)`` (a device of the training targets). Frames are the actions
+    that ran: a chunk cut at an episode end records its actions up to the end, done on
+    its last valid frame; under ``chunk_end="continue"`` the frames after an end belong to
+    the new episode.
 
     Returns ``(batch, state, episodes)``. If ``batch.overflow`` is set anywhere, or the
     step was incomplete (``state.error_code``), discard all three and keep the inputs
     (do not donate them).
     """
-    traj, state = rollout.flush(dataclasses.replace(plan, truncation_bootstrap="none"), state)
-    frames, done = frames_of(plan, state, traj)
+    traj, state = rollout.flush(plan, state)
+    frames, done, valid = frames_of(plan, state, traj)
     episodes, batch = ep_lib.append(
-        episodes, frames, done, truncate=plan.episode_overflow == "truncate"
+        episodes, frames, done, truncate=plan.episode_overflow == "truncate", valid=valid
     )
     return batch, state, episodes
 

@@ -37,7 +37,7 @@ from jaxtraj import advantages as adv_lib
 from jaxtraj.errors import ErrorCode
 from jaxtraj.modes._layout import Stacked
 from jaxtraj.plan import TrajectoryPlan
-from jaxtraj.state import CollectorState, materialize, record_error, slot_complete
+from jaxtraj.state import CollectorState, materialize_running, record_error, slot_complete
 from jaxtraj.targets import trajectory_targets
 from jaxtraj.types import Trajectory, TrajectoryKey
 
@@ -48,9 +48,14 @@ class MicroBatches:
 
     A sample is one chunk of one environment. ``prev_values`` is ``V(s_t)``;
     ``advantages`` are normalised when the plan says so; ``loss_mask`` is false on
-    padding (and on rows after a done without auto-reset). ``step_id`` and
-    ``epoch_id`` are ``[R]``. ``extras`` holds the per-chunk fields a plan's
-    ``trajectory_type`` adds (leaves ``[E, T, B, ...]`` in the trajectory), packed alike.
+    padding (and on rows after a done without auto-reset). ``action_mask``
+    ``[R, MB, M, K]`` says which actions of a sample's chunk its decision owns and that
+    ran (false on padding; ``None`` where every field is chunk-level): mask
+    per-action log-probabilities with it. ``step_id`` and ``epoch_id`` are ``[R]``.
+    ``extras`` holds the per-chunk fields a plan's ``trajectory_type`` adds (leaves
+    ``[E, T, B, ...]`` in the trajectory), packed alike. ``episodes`` are the episodes
+    that ended in the epoch, every source (:class:`jaxtraj.EpisodeStats`, leaves
+    ``[R, S, T, B, K]``: every rank's item holds them all, so log one rank's).
     """
 
     obs: Any
@@ -66,6 +71,8 @@ class MicroBatches:
     step_id: jax.Array
     epoch_id: jax.Array
     extras: dict
+    action_mask: jax.Array | None = None
+    episodes: Any = None
 
 
 @struct.dataclass
@@ -148,7 +155,7 @@ def flush(
     rng = jax.random.fold_in(jax.random.fold_in(mode_state.rng, state.step[0]), e)
     # Materialise every epoch without slicing: the per-chunk fields are the buffers
     # themselves, so the only copy of the big fields is the final packing.
-    trajs = jax.vmap(lambda st: materialize(plan, st))(state)  # [S, E, T(+1), B, ...]
+    trajs, running = jax.vmap(lambda st: materialize_running(plan, st))(state)  # [S, E, ...]
     targets = jax.vmap(lambda tr: trajectory_targets(plan, tr, current_version))(trajs)
 
     S, E, T, B = state.sources.shape[0], plan.num_epochs, plan.num_chunks, plan.batch_size
@@ -171,6 +178,7 @@ def flush(
         forward_inputs=trajs.forward_inputs,
         returns=targets.returns,
         rewards=targets.rewards,
+        action_mask=targets.action_mask,
         # Fields a plan's trajectory_type adds: per-chunk leaves [S, E, T, B, ...].
         extras={
             f.name: getattr(trajs, f.name)
@@ -222,8 +230,17 @@ def flush(
     if norm == "per_rank":  # over each Actor rank's own batches (local to its shard)
         advantages = jax.vmap(adv_lib.normalize_advantages)(advantages, loss_mask)
     per_rank = lambda v: jnp.full((R,), v, jnp.int32)
+    # The episodes that ended in this epoch, every source: [S, T, B, K]. Their sums run
+    # over the step's epochs in time order from the step's start (the state advances them
+    # when the step's last epoch is flushed).
+    # Every rank's item holds them all (leading [R], as every field): log one rank's.
+    stats = trajs.episodes
+    of_epoch = lambda x: x[:, e] if x.ndim > 1 else x  # [S, E, ...] -> [S, ...]
+    episodes = jax.tree.map(lambda x: jnp.broadcast_to(of_epoch(x), (R,) + of_epoch(x).shape),
+                            stats)
     batches = MicroBatches(
         **fields,
+        episodes=episodes,
         advantages=advantages,
         loss_mask=loss_mask,
         step_id=per_rank(state.step[0]),
@@ -239,6 +256,8 @@ def flush(
         next_obs_given=None if state.next_obs_given is None else keep(state.next_obs_given),
         next_rlt_given=None if state.next_rlt_given is None else keep(state.next_rlt_given),
         step=state.step + step_done.astype(jnp.int32),
+        episodes=jax.tree.map(lambda old, new: jnp.where(step_done, new, old),
+                              state.episodes, running),
     )
     key = TrajectoryKey(state.step[0], e, -1, -1, -1)
     code = jnp.where(ok, 0, int(ErrorCode.INCOMPLETE_SCOPE)).astype(jnp.int32)

@@ -37,7 +37,7 @@ from jaxtraj._forwarding import forwarding_jit
 from jaxtraj.errors import ErrorCode
 from jaxtraj.modes._layout import PerSource
 from jaxtraj.plan import TrajectoryPlan
-from jaxtraj.state import CollectorState, materialize, record_error, source_complete
+from jaxtraj.state import CollectorState, materialize_running, record_error, source_complete
 from jaxtraj.types import Trajectory, TrajectoryKey
 
 
@@ -73,7 +73,7 @@ def flush(
       (the facade raises instead).
     """
     s = None if not state.stacked else jnp.asarray(source_index, jnp.int32)
-    traj = materialize(plan, state, s)
+    traj, running = materialize_running(plan, state, s)
     at = (lambda x: x[s]) if state.stacked else (lambda x: x)
     put = (lambda x, v: x.at[s].set(v)) if state.stacked else (lambda x, v: v)
     complete = at(ready(state))
@@ -87,6 +87,9 @@ def flush(
         next_obs_given=clear(state.next_obs_given),
         next_rlt_given=clear(state.next_rlt_given),
         step=put(state.step, at(state.step) + complete.astype(jnp.int32)),
+        episodes=jax.tree.map(
+            lambda old, new: put(old, jnp.where(complete, new, at(old))), state.episodes, running
+        ),
     )
     if recycle is not None and not state.stacked:
         new = _recycled(new, traj, recycle)

@@ -1,0 +1,228 @@
+"""Episode statistics: the episodes that ended in a flush, from the environment's rewards.
+
+Every flush (rollout, pipeline, lerobot) reports the episodes that ended in it: per
+episode its return (the sum of the environment's rewards, ``EnvTransition.rewards`` as the
+environment gave them: no weights, no reward model, no truncation bootstrap), its length
+in executed actions, whether it succeeded (any ``EnvTransition.success`` in it), and
+whether it terminated or was truncated. An episode that spans training steps is counted
+whole: the collector state carries each environment's running sums
+(:class:`RunningEpisodes`) from one flush to the next, under ``jit`` too.
+
+Time runs over epochs, chunks and the actions of a chunk, in that order, and only over
+actions that ran (``EnvTransition.valid_actions``; under ``chunk_end="continue"`` the
+actions after an end ran in the next episode and count there). A chunk-level reward
+counts at the chunk's first action, a chunk-level flag at its last.
+
+The result is fixed-shape (:class:`EpisodeStats`, one slot per action ``[E, T, B, K]``,
+``ended`` marking the slots where an episode ended), so it traces; its host methods
+turn it into a list of episodes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax import lax
+
+
+@struct.dataclass
+class RunningEpisodes:
+    """Each environment's running episode: ``[B]`` (``[S, B]`` stacked) sums so far.
+
+    Attributes:
+      returns: float32, the environment's rewards summed since the episode began.
+      lengths: int32, actions executed since the episode began.
+      success: bool, a success flag was seen since the episode began.
+    """
+
+    returns: jax.Array
+    lengths: jax.Array
+    success: jax.Array
+
+
+def init_running(batch_size: int) -> RunningEpisodes:
+    """No episode under way: zeros for ``batch_size`` environments."""
+    return RunningEpisodes(
+        returns=jnp.zeros((batch_size,), jnp.float32),
+        lengths=jnp.zeros((batch_size,), jnp.int32),
+        success=jnp.zeros((batch_size,), bool),
+    )
+
+
+@struct.dataclass
+class EpisodeStats:
+    """The episodes that ended in one flush, one slot per action: leaves ``[E, T, B, K]``
+    (``K = 1`` where every field is chunk-level); a pipeline flush's are ``[S, T, B, K]``
+    (its epoch, every source).
+
+    Attributes:
+      ended: bool, an episode ended at this action; the other fields hold that
+        episode's figures there (zeros elsewhere).
+      returns: float32, the sum of the environment's rewards over the episode.
+      lengths: int32, the actions the episode executed.
+      terminated, truncated: bool, how it ended.
+      success: bool, a success flag anywhere in the episode.
+      env_rank, stage_id: int32, the source (``[S]`` for a pipeline flush's sources).
+      step_id: int32, the training step.
+    """
+
+    ended: jax.Array
+    returns: jax.Array
+    lengths: jax.Array
+    terminated: jax.Array
+    truncated: jax.Array
+    success: jax.Array
+    env_rank: jax.Array
+    stage_id: jax.Array
+    step_id: jax.Array
+
+    # -- traced summaries -----------------------------------------------------------------
+
+    def count(self) -> jax.Array:
+        """int32: episodes that ended."""
+        return jnp.sum(self.ended, dtype=jnp.int32)
+
+    def mean_return(self) -> jax.Array:
+        """float32: their mean return (NaN when none ended)."""
+        n = self.count()
+        total = jnp.sum(jnp.where(self.ended, self.returns, 0.0))
+        return jnp.where(n > 0, total / jnp.maximum(n, 1), jnp.nan)
+
+    def mean_length(self) -> jax.Array:
+        """float32: their mean length in actions (NaN when none ended)."""
+        n = self.count()
+        total = jnp.sum(jnp.where(self.ended, self.lengths, 0)).astype(jnp.float32)
+        return jnp.where(n > 0, total / jnp.maximum(n, 1), jnp.nan)
+
+    # -- host -----------------------------------------------------------------------------
+
+    def to_list(self) -> list[dict[str, Any]]:
+        """The episodes as dicts, in time order per source and row (host side): ``return``,
+        ``length``, ``success``, ``terminated``, ``truncated``, ``env_rank``,
+        ``stage_id``, ``row``, ``step_id`` and where it ended (``epoch`` or ``source``,
+        ``chunk``, ``action``)."""
+        host = jax.tree.map(np.asarray, self)
+        ended = host.ended
+        stacked = host.env_rank.ndim == 1  # a pipeline flush: the leading axis is sources
+        out = []
+        lead = "source" if stacked else "epoch"
+        for a, t, b, k in zip(*np.nonzero(ended)):
+            s = int(a) if stacked else None
+            out.append({
+                "return": float(host.returns[a, t, b, k]),
+                "length": int(host.lengths[a, t, b, k]),
+                "success": bool(host.success[a, t, b, k]),
+                "terminated": bool(host.terminated[a, t, b, k]),
+                "truncated": bool(host.truncated[a, t, b, k]),
+                "env_rank": int(host.env_rank[s] if stacked else host.env_rank),
+                "stage_id": int(host.stage_id[s] if stacked else host.stage_id),
+                "row": int(b),
+                "step_id": int(host.step_id[s] if stacked else host.step_id),
+                lead: int(a),
+                "chunk": int(t),
+                "action": int(k),
+            })
+        order = lambda e: (e["env_rank"], e["stage_id"], e["row"], e.get("epoch", 0),
+                           e["chunk"], e["action"])
+        return sorted(out, key=order)
+
+
+def _per_slot(x: Any, k: int, at: int, dtype: Any, rows_ndim: int = 3) -> jax.Array:
+    """``[E, T, B]`` or ``[E, T, B, K]`` -> ``[E, T, B, K]``; a chunk-level value goes to
+    slot ``at`` (``-1``: the last)."""
+    x = jnp.asarray(x, dtype)
+    if x.ndim > rows_ndim:
+        return x
+    return jnp.zeros(x.shape + (k,), dtype).at[..., at].set(x)
+
+
+def episode_stats(
+    running: RunningEpisodes,
+    transition: Any,
+    *,
+    step_id: Any,
+    env_rank: Any,
+    stage_id: Any,
+) -> tuple[EpisodeStats, RunningEpisodes]:
+    """The episodes that ended in one source's training step, and the running sums after it.
+
+    Args:
+      running: the running episodes before the step, ``[B]``.
+      transition: the step's env transitions (an ``EnvTransition``), leaves
+        ``[E, T, B(, K)]``, as the environment gave them.
+      step_id, env_rank, stage_id: name the source and step.
+
+    Returns:
+      ``(stats, running)``: :class:`EpisodeStats` ``[E, T, B, K]``, and the running sums
+      of the episodes still under way after the step.
+    """
+    tr = transition
+    ran = tr.ran_actions(rows_ndim=3)
+    k = 1 if ran is None else ran.shape[-1]
+    lead = tr.rewards.shape[:3]
+    ran = jnp.ones(lead + (k,), bool) if ran is None else ran
+    dones = tr.resolved_dones()
+    dones = jnp.zeros(lead + (k,), bool) if dones is None else _per_slot(dones, k, -1, bool)
+    terms = tr.terminations
+    terms = dones if terms is None else _per_slot(terms, k, -1, bool)
+    truncs = tr.truncations
+    truncs = jnp.zeros_like(dones) if truncs is None else _per_slot(truncs, k, -1, bool)
+    success = tr.success
+    success = jnp.zeros_like(dones) if success is None else _per_slot(success, k, -1, bool)
+    rewards = _per_slot(tr.rewards, k, 0, jnp.float32)
+
+    E, T, B = lead
+    # Time-major over (e, t, k): [N, B].
+    tm = lambda x: jnp.moveaxis(x, 3, 2).reshape((E * T * k, B))
+    ran_t = tm(ran)
+    r_t = jnp.where(ran_t, tm(rewards), 0.0)
+    ended_t = tm(dones) & ran_t
+    n_t = ran_t.astype(jnp.int32)
+    s_t = (tm(success) & ran_t).astype(jnp.int32)
+
+    # Sums since the episode began, by cumulative sums reset at every end: the episode
+    # ending at n began after the last end before n (or carries the running sums).
+    idx = jnp.arange(E * T * k, dtype=jnp.int32)[:, None]
+    last_end = lax.cummax(jnp.where(ended_t, idx, -1), axis=0)  # last end at or before n
+    prev_end = jnp.concatenate([jnp.full((1, B), -1, jnp.int32), last_end[:-1]], axis=0)
+
+    def since_start(x, carried):
+        c = jnp.cumsum(x, axis=0)
+        at_prev = jnp.take_along_axis(c, jnp.maximum(prev_end, 0), axis=0)
+        return jnp.where(prev_end >= 0, c - at_prev, c + carried[None])
+
+    ret = since_start(r_t, running.returns)
+    length = since_start(n_t, running.lengths)
+    succ = since_start(s_t, running.success.astype(jnp.int32)) > 0
+
+    back = lambda x: jnp.moveaxis(x.reshape((E, T, k, B)), 2, 3)
+    zero = lambda x: jnp.where(ended_t, x, jnp.zeros_like(x))
+    stats = EpisodeStats(
+        ended=back(ended_t),
+        returns=back(zero(ret)),
+        lengths=back(zero(length)),
+        terminated=back(ended_t & tm(terms)),
+        truncated=back(ended_t & tm(truncs) & ~tm(terms)),
+        success=back(ended_t & succ),
+        env_rank=jnp.asarray(env_rank, jnp.int32),
+        stage_id=jnp.asarray(stage_id, jnp.int32),
+        step_id=jnp.asarray(step_id, jnp.int32),
+    )
+    # After the step: the sums since the last end (all of them plus the carried sums
+    # where none ended).
+    last = last_end[-1]
+    def tail(x, carried):
+        c = jnp.cumsum(x, axis=0)
+        at_last = jnp.take_along_axis(c, jnp.maximum(last, 0)[None], axis=0)[0]
+        return jnp.where(last >= 0, c[-1] - at_last, c[-1] + carried)
+
+    after = RunningEpisodes(
+        returns=tail(r_t, running.returns).astype(jnp.float32),
+        lengths=tail(n_t, running.lengths).astype(jnp.int32),
+        success=tail(s_t, running.success.astype(jnp.int32)) > 0,
+    )
+    return stats, after
