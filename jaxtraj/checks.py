@@ -103,14 +103,14 @@ def check_payload(name: str, data: Any, buffer: Any, lead: int, key: Any = None)
             raise CollectorError(
                 key, ErrorCode.STRUCTURE_MISMATCH,
                 f"{name}{path}: not an array of numbers ({type(x).__name__}), plan has "
-                f"[rows, *{list(want)}] dtype {b.dtype}",
+                f"{rows_shape(want)} dtype {b.dtype}",
             ) from None
         if len(shape) < 1 or tuple(shape[1:]) != want or dtype != b.dtype:
             raise CollectorError(
                 key,
                 ErrorCode.STRUCTURE_MISMATCH,
                 f"{name}{path}: got shape {tuple(shape)} dtype {dtype}, "
-                f"plan has [rows, *{list(want)}] dtype {b.dtype}",
+                f"plan has {rows_shape(want)} dtype {b.dtype}",
             )
         if rows is not None and shape[0] != rows:
             raise CollectorError(
@@ -118,6 +118,12 @@ def check_payload(name: str, data: Any, buffer: Any, lead: int, key: Any = None)
             )
         rows = shape[0]
     return rows if rows is not None else 0
+
+
+def rows_shape(shape: Any) -> str:
+    """A buffer's per-row shape as a reader writes it: ``(rows, 3)``, ``(rows,)``."""
+    dims = ", ".join(str(int(d)) for d in shape)
+    return f"(rows, {dims})" if dims else "(rows,)"
 
 
 def structure_diff(data: Any, buffer: Any, lead: int) -> str:
@@ -130,7 +136,7 @@ def structure_diff(data: Any, buffer: Any, lead: int) -> str:
         for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
             shape = tuple(np.shape(x))[drop:]
             dtype = getattr(x, "dtype", type(x).__name__)
-            out[jax.tree_util.keystr(path)] = f"[rows, *{list(shape)}] {dtype}"
+            out[jax.tree_util.keystr(path)] = f"{rows_shape(shape)} {dtype}"
         return out
 
     have, want = described(data, 1), described(buffer, lead + 1)
@@ -424,13 +430,42 @@ def mask_detail(transition: EnvTransition, bad: np.ndarray, offset: int = 0) -> 
     return f"EnvTransition.valid_actions row {r + offset}: {mask}{shown}{more}"
 
 
-def finite_leaves(part: Any) -> list:
-    """The reward and value leaves that ``nonfinite="reject"`` checks."""
+def finite_fields(part: Any) -> list[tuple[str, Any]]:
+    """The reward and value fields that ``nonfinite="reject"`` checks, by name."""
     if isinstance(part, EnvPart):
         tr = part.transition
-        return [x for x in (tr.rewards, tr.reward_model_output, part.final_values) if x is not None]
-    out = part.output
-    return [x for x in (out.prev_values, out.bootstrap_values) if x is not None]
+        named = (("EnvTransition.rewards", tr.rewards),
+                 ("EnvTransition.reward_model_output", tr.reward_model_output),
+                 ("EnvPart.final_values", part.final_values))
+    else:
+        out = part.output
+        named = (("PolicyOutput.prev_values", out.prev_values),
+                 ("PolicyOutput.bootstrap_values", out.bootstrap_values))
+    return [(n, x) for n, x in named if x is not None]
+
+
+def finite_leaves(part: Any) -> list:
+    """The reward and value leaves that ``nonfinite="reject"`` checks."""
+    return [x for _, x in finite_fields(part)]
+
+
+def nonfinite_detail(part: Any, offset: int = 0) -> str:
+    """Names the first non-finite field of a part, its rows and (per action) actions."""
+    for name, x in finite_fields(part):
+        x = np.asarray(x)
+        bad = ~np.isfinite(x)
+        if not bad.any():
+            continue
+        rows = np.flatnonzero(bad.reshape(bad.shape[0], -1).any(axis=1)) + offset
+        shown = ", ".join(str(int(r)) for r in rows[:5]) + (", ..." if rows.size > 5 else "")
+        where = f"{name} rows [{shown}]"
+        if bad.ndim >= 2:
+            first = np.argwhere(bad)[0]
+            actions = np.flatnonzero(bad[first[0]].reshape(bad.shape[1], -1).any(axis=1))
+            where += f" (row {int(first[0]) + offset}: action {', '.join(map(str, actions))})"
+        value = x[tuple(np.argwhere(bad)[0])]
+        return f"{where}: {value}"
+    return ""
 
 
 # -- the host side ---------------------------------------------------------------------
@@ -579,7 +614,7 @@ class HostChecks:
         if info.finite and plan.nonfinite == "reject":
             for i in info.finite:
                 if not np.isfinite(leaves[i]).all():
-                    raise CollectorError(key, ErrorCode.NON_FINITE)
+                    raise CollectorError(key, ErrorCode.NON_FINITE, nonfinite_detail(part, off))
         if info.cut is not None and part.transition.valid_actions is not None:
             bad = invalid_action_rows(np, part.transition)
             if np.any(bad):
@@ -710,6 +745,9 @@ class HostChecks:
             if code[i] == ErrorCode.INVALID_ACTION_MASK:
                 one = jax.tree.map(lambda x: np.asarray(x)[i], part.transition)
                 where = f"{mask_detail(one, masked[i], int(off[i]))}; {where}"
+            elif code[i] == ErrorCode.NON_FINITE:
+                one = jax.tree.map(lambda x: np.asarray(x)[i], part.replace(source=None))
+                where = f"{nonfinite_detail(one, int(off[i]))}; {where}"
             raise CollectorError(keys[i], code[i], where)
         mask[flat] = True
         return s, layout

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from jaxtraj import checks, modes, state
-from jaxtraj.errors import CollectorError, ErrorCode
+from jaxtraj.errors import CollectorError, ErrorCode, waits_for
 from jaxtraj.mirror import Mirror
 from jaxtraj.plan import TrajectoryPlan
 from jaxtraj.storage import storage_for
@@ -293,10 +293,13 @@ class TrajectoryCollector:
         name = scope[0] if len(scope) == 1 else tuple(scope)
         c = self.mode.scope_index(name, self.mirror) if scope else (complete or [None])[0]
         if c is None or c not in complete:
-            key = self.mode.describe(c or 0, self.mirror) if c is not None else None
-            raise CollectorError(
-                key, ErrorCode.INCOMPLETE_SCOPE, f"scope {name!r}: {self._waiting_for(key)}"
-            )
+            if not scope:  # no scope named and none complete: name the first one
+                key = self.mode.describe(0, self.mirror)
+                detail = f"flush() of the first scope: none is complete; it {self._waiting_for(key)}"
+            else:
+                key = self.mode.describe(c, self.mirror) if c is not None else None
+                detail = f"scope {name!r}: {self._waiting_for(key)}"
+            raise CollectorError(key, ErrorCode.INCOMPLETE_SCOPE, detail)
         return self._flush(c)
 
     def _waiting_for(self, key: tuple | None, shown: int = 3) -> str:
@@ -305,14 +308,7 @@ class TrajectoryCollector:
             m for m in self.missing()
             if key is None or all(k < 0 or v == k for v, k in zip(m[0][1:4], key[1:4]))
         ]
-        if not left:
-            return "nothing is missing: it was flushed already"
-        first = "; ".join(
-            f"{half} half of key {k} ({rows} row{'s' if rows != 1 else ''})"
-            for k, half, rows in left[:shown]
-        )
-        more = f"; and {len(left) - shown} more (collector.missing() lists them)"
-        return f"waits for {len(left)} halves: {first}{more if len(left) > shown else ''}"
+        return waits_for(left, shown)
 
     def _flush(self, c: int) -> Items:
         i = self.mode.state_index(c)

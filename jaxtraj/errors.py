@@ -97,14 +97,60 @@ class CollectorError(Exception):
         self.detail = detail
         msg = f"{self.code.name}: {reason(self.code)}"
         if self.key is not None:
-            names = ("step_id", "epoch_id", "env_rank", "stage_id", "chunk_id")
-            msg = f"key({', '.join(f'{n}={v}' for n, v in zip(names, self.key))}): {msg}"
+            msg = f"{describe_key(self.key)}: {msg}"
         if detail:
             msg = f"{msg} ({detail})"
         super().__init__(msg)
 
     def __reduce__(self):  # picklable: across processes (Ray actors, multiprocessing)
         return (type(self), (self.key, self.code, self.detail))
+
+
+_FIELDS = ("step_id", "epoch_id", "env_rank", "stage_id", "chunk_id")
+
+
+def describe_key(key: Any) -> str:
+    """A key as a message names it: ``key(step_id=.., ...)`` for a chunk; a completion
+    scope (fields ``-1``: any) by what it is: ``training step 0 of source (env_rank=0,
+    stage_id=0)``, ``epoch 1 of training step 0 (every source)``."""
+    k = tuple(int(v) for v in key)
+    if min(k) >= 0:
+        return f"key({', '.join(f'{n}={v}' for n, v in zip(_FIELDS, k))})"
+    step, epoch, rank, stage, chunk = k
+    if chunk < 0 and epoch < 0 and rank >= 0 and stage >= 0:
+        return f"training step {step} of source (env_rank={rank}, stage_id={stage})"
+    if chunk < 0 and epoch >= 0 and rank < 0 and stage < 0:
+        return f"epoch {epoch} of training step {step} (every source)"
+    given = ", ".join(f"{n}={v}" for n, v in zip(_FIELDS, k) if v >= 0)
+    return f"scope({given})"
+
+
+def waits_for(left: list, shown: int = 3) -> str:
+    """What a scope still waits for, cut short: ``left`` is ``[(key, half, rows)]`` (as
+    ``TrajectoryCollector.missing()`` lists them)."""
+    if not left:
+        return "nothing is missing: it was flushed already"
+    first = "; ".join(
+        f"{half} half of key {k} ({rows} row{'s' if rows != 1 else ''})"
+        for k, half, rows in left[:shown]
+    )
+    more = f"; and {len(left) - shown} more (collector.missing() lists them)"
+    return f"waits for {len(left)} halves: {first}{more if len(left) > shown else ''}"
+
+
+def _state_missing(state: Any, key: tuple) -> list:
+    """``[(key, half, rows)]`` a state's scope ``key`` (fields ``-1``: any) still lacks."""
+    sources = np.asarray(state.sources).reshape(-1, 2)
+    step = np.asarray(state.step).reshape(-1)
+    rows = {h: np.asarray(getattr(state, f"{h}_rows")) for h in ("policy", "env")}
+    rows = {h: r.reshape((-1,) + r.shape[-3:]) for h, r in rows.items()}  # [S, E, T, B]
+    out = []
+    for half, got in rows.items():
+        for s, e, t in zip(*np.nonzero(~got.all(axis=-1))):
+            k = (int(step[s]), int(e), int(sources[s, 0]), int(sources[s, 1]), int(t))
+            if all(want < 0 or v == want for v, want in zip(k, key)):
+                out.append((k, half, int((~got[s, e, t]).sum())))
+    return sorted(out)
 
 
 def raise_if_error(state: Any) -> None:
@@ -123,8 +169,8 @@ def raise_if_error(state: Any) -> None:
     if bad.size:
         i = bad[0]
         count = int(np.asarray(state.error_count).sum())
-        raise CollectorError(
-            np.asarray(state.error_key).reshape(-1, 5)[i].tolist(),
-            int(codes[i]),
-            f"{count} part(s) or flush(es) rejected under jit; the first is reported",
-        )
+        key = np.asarray(state.error_key).reshape(-1, 5)[i].tolist()
+        detail = f"{count} part(s) or flush(es) rejected under jit; the first is reported"
+        if int(codes[i]) == ErrorCode.INCOMPLETE_SCOPE:
+            detail = f"{waits_for(_state_missing(state, tuple(key)))}; {detail}"
+        raise CollectorError(key, int(codes[i]), detail)
