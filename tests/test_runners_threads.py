@@ -459,3 +459,37 @@ def test_collect_transitions_take_the_observation_each_episode_ended_on():
                 np.testing.assert_array_equal(np.asarray(tr.next_obs["state"])[e, t], want)
                 ended_somewhere |= bool(done[e, t].any())
     assert ended_somewhere  # the pre-reset observation was needed somewhere
+
+
+class SeededEnv(PointEnv):
+    """A PointEnv that says how it seeds its sub-environments, as GymnasiumEnv does."""
+
+    def __init__(self, rank, seed):
+        super().__init__(rank)
+        self.seed, self.num_envs = seed, B
+
+
+def test_ranks_whose_sub_environments_share_a_seed_are_refused_unless_asked():
+    with pytest.raises(ValueError, match=r"env ranks 0 and 1 both seed a sub-environment with 1"):
+        AsyncRunner(make_collector(), [SeededEnv(r, seed=r) for r in range(RANKS)], policy_fn,
+                    PARAMS)
+    AsyncRunner(make_collector(), [SeededEnv(r, seed=1000 * r) for r in range(RANKS)], policy_fn,
+                PARAMS)  # seeded apart
+    AsyncRunner(make_collector(), [SeededEnv(r, seed=r) for r in range(RANKS)], policy_fn,
+                PARAMS, allow_shared_seeds=True)  # asked for
+
+
+def test_run_returns_items_by_env_rank_and_stack_ranks_stacks_one_step():
+    from jaxtraj.runners.service import stack_ranks
+
+    ref = sync_reference(1)
+    runner = AsyncRunner(make_collector(), [PointEnv(r, delay_s=0.002 * (RANKS - r))
+                                            for r in range(RANKS)], policy_fn, PARAMS, seed=SEED)
+    items = runner.run()
+    assert [int(tr.env_rank) for _, tr in items] == list(range(RANKS))  # rank 1 finished first
+    batch = stack_ranks(items)
+    assert np.asarray(batch.rewards).shape[0] == RANKS
+    for r in range(RANKS):
+        np.testing.assert_array_equal(np.asarray(batch.rewards)[r], np.asarray(ref[(0, r)].rewards))
+    with pytest.raises(ValueError, match="several training steps"):
+        stack_ranks(items + [("default", ref[(0, 0)].replace(step_id=np.int32(1)))])

@@ -79,6 +79,7 @@ from jaxtraj.runners.service import (
     complete_env_part,
     env_part,
     key_rngs,
+    rank_order,
     stamp_versions,
 )
 from jaxtraj.types import PolicyPart, TrajectoryKey, TrajectorySource
@@ -434,7 +435,7 @@ class RayRunner:
                 raise
             raise RunnerError("consumer", None, exc, consumer.delivered) from exc
         self.step_id += n
-        return consumer.kept
+        return rank_order(consumer.kept)
 
     # -- actors ----------------------------------------------------------------------
 

@@ -267,6 +267,77 @@ def check_env(env: Any, collector: TrajectoryCollector) -> None:
         check(policy_example_spec(collector))
 
 
+def sub_env_seeds(env: Any) -> list[int] | None:
+    """The seeds an env adapter gives its sub-environments, where it says: a
+    ``GymnasiumEnv`` seeds sub-env ``i`` with ``seed + i``, an EnvPool pool env ``i`` with
+    its ``seed + i``; ``None`` where unknown or unseeded."""
+    n = getattr(env, "num_envs", None)
+    seed = getattr(env, "seed", None)
+    if seed is None:  # an EnvPool pool: its config
+        config = getattr(getattr(env, "pool", None), "config", None)
+        seed = config.get("seed") if isinstance(config, dict) else None
+    if n is None or seed is None or callable(seed):
+        return None
+    return [int(seed) + i for i in range(int(n))]
+
+
+def check_seeds(envs: Sequence[Any], ranks: Sequence[int]) -> None:
+    """Refuse env ranks whose sub-environments share a seed (identical starting states,
+    correlated data): ``ValueError`` naming the ranks and the seeds.
+
+    Pass ``allow_shared_seeds=True`` to the runner to share them on purpose."""
+    owner: dict[int, int] = {}
+    for env, rank in zip(envs, ranks):
+        for seed in sub_env_seeds(env) or ():
+            if seed in owner and owner[seed] != rank:
+                raise ValueError(
+                    f"env ranks {owner[seed]} and {rank} both seed a sub-environment with "
+                    f"{seed}: their episodes would start alike (GymnasiumEnv(seed=s) and "
+                    "EnvPool seed sub-env i with s + i). Give rank r a seed B or more apart, "
+                    "e.g. seed=1000 * r, or pass allow_shared_seeds=True to share them"
+                )
+            owner[seed] = rank
+
+
+def rank_order(items: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """Flushed ``(queue_key, item)`` pairs in a documented order: by training step, then
+    epoch (pipeline micro-batches), then env rank and stage (trajectories), then queue key;
+    stable otherwise."""
+
+    def order(pair):
+        key, item = pair
+        scalar = lambda name: int(np.asarray(getattr(item, name, -1)).reshape(-1)[0])  # noqa: E731
+        return (scalar("step_id"), scalar("epoch_id"), scalar("env_rank"), scalar("stage_id"),
+                str(key))
+
+    return sorted(items, key=order)
+
+
+def stack_ranks(items: list[tuple[str, Any]]) -> Any:
+    """One update's data: the items of one training step (every env rank's
+    ``Trajectory``, or one Actor rank's micro-batches of several epochs), stacked on a new
+    leading axis in :func:`rank_order`. ``run()``'s items of one step go in as they are::
+
+        items = runner.run(num_steps=1)
+        batch = jaxtraj.runners.service.stack_ranks(items)  # leaves [R, E, T, B, ...]
+
+    Raises:
+      ValueError: the items mix training steps, or their structures differ.
+    """
+    items = rank_order(items)
+    if not items:
+        raise ValueError("stack_ranks: no items")
+    steps = {int(np.asarray(getattr(it, "step_id", 0)).reshape(-1)[0]) for _, it in items}
+    if len(steps) != 1:
+        raise ValueError(f"stack_ranks: the items are of several training steps {sorted(steps)}")
+    trees = [it for _, it in items]
+    first = jax.tree.structure(trees[0])
+    for (key, _), tree in zip(items, trees):
+        if jax.tree.structure(tree) != first:
+            raise ValueError(f"stack_ranks: item {key!r} has another structure than the first")
+    return jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *trees)
+
+
 def policy_example_spec(collector: TrajectoryCollector) -> PolicyPart:
     """One policy half of the collector's layout, as ``jax.ShapeDtypeStruct`` leaves."""
     lay = collector.layout

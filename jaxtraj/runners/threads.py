@@ -54,11 +54,14 @@ from jaxtraj.runners.service import (  # noqa: F401  (re-exported: the public na
     RunnerError,
     ValueFn,
     check_env,
+    check_seeds,
     chunk_keys,
     complete_env_part,
     env_part,
     key_rng,
     key_rngs,
+    rank_order,
+    stack_ranks,
     stamp_versions,
 )
 from jaxtraj.types import PolicyPart, TrajectoryKey, TrajectorySource
@@ -101,6 +104,10 @@ class AsyncRunner:
         (simulated transport delays, seeded by ``seed``): the consumer holds it back until
         it is due and takes parts in due order, so later parts overtake earlier ones,
         from the same producer too; the producers never wait for it.
+      allow_shared_seeds: let env ranks seed sub-environments alike. By default a runner
+        refuses envs whose sub-environments share a seed across ranks (``GymnasiumEnv``
+        and EnvPool seed sub-env ``i`` with ``seed + i``: ``seed=rank`` gives rank 0's
+        sub-env 1 rank 1's sub-env 0's seed); give rank ``r`` e.g. ``seed=1000 * r``.
 
     A runner carries across calls: each :meth:`run` collects the training steps after
     the previous one's, from where the environments are (no reset between calls), with
@@ -137,6 +144,7 @@ class AsyncRunner:
         output_queue: queue.Queue | None = None,
         queue_size: int = 64,
         jitter_s: float = 0.0,
+        allow_shared_seeds: bool = False,
     ):
         self.collector, self.plan = collector, collector.plan
         self.envs, self.policy_fn, self.value_fn = list(envs), policy_fn, value_fn
@@ -147,6 +155,8 @@ class AsyncRunner:
             raise ValueError(f"num_steps must be >= 1, got {num_steps}")
         for env in self.envs:
             check_env(env, collector)  # spaces against the examples, before any thread
+        if not allow_shared_seeds:
+            check_seeds(self.envs, self.env_ranks)
         self.num_steps, self.step_id, self.stage_id = num_steps, step_id, stage_id
         self.seed, self.on_flush, self.output_queue = seed, on_flush, output_queue
         self.jitter_s = jitter_s
@@ -207,7 +217,10 @@ class AsyncRunner:
 
         Returns:
           The flushed ``(queue_key, item)`` pairs when neither ``on_flush`` nor
-          ``output_queue`` is given, else ``[]``.
+          ``output_queue`` is given, else ``[]``; in the order of
+          :func:`~jaxtraj.runners.service.rank_order` (by training step, epoch, then env
+          rank): :func:`~jaxtraj.runners.service.stack_ranks` stacks one step's for one
+          update.
 
         Raises:
           RunnerError: a worker (or the collector, on a rejected part) failed; all
@@ -297,7 +310,7 @@ class AsyncRunner:
                 raise exc
             raise RunnerError(worker, key, exc, self.delivered) from exc
         self.step_id += n
-        return consumer.kept
+        return rank_order(consumer.kept)
 
     def _key(self, rank: int, n: int) -> TrajectoryKey:
         """The ``n``-th key env rank ``rank`` produces in this run (no list of them)."""
