@@ -891,3 +891,18 @@ def test_lerobot_loads_a_collector_dataset_with_cameras(tmp_path, lerobot_datase
             for j, offset in enumerate((-1, 0, 1)):
                 if not pad[j]:
                     assert psnr(got[j], episodes[ep][TOP][frame + offset]) >= PSNR_DB
+
+
+def test_a_camera_constant_over_an_episode_is_warned_naming_feature_and_episodes(tmp_path, caplog):
+    """A MuJoCo camera rendered in a thread without its OpenGL context comes out black: the
+    writer says so, naming the feature and the episodes (a one-frame episode is not flagged)."""
+    episodes, tasks = batch(0, [4, 5, 1])
+    episodes[1][TOP] = np.zeros_like(episodes[1][TOP])  # black, as a context-less render
+    episodes[2][TOP] = np.zeros_like(episodes[2][TOP])  # one frame: constant by nature
+    writer = LeRobotWriter(tmp_path / "ds", fps=FPS, features=FEATURES)
+    with caplog.at_level("WARNING", logger="jaxtraj.lerobot.writer"):
+        writer.add_episodes(episodes, tasks)
+        writer.close()
+    warned = [r.getMessage() for r in caplog.records if "constant" in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert f"camera feature {TOP!r} is constant over episode(s) 1 (every pixel 0" in warned[0]

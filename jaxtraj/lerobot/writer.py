@@ -110,6 +110,24 @@ from jaxtraj.lerobot.validate import check_episodes
 
 _log = logging.getLogger(__name__)
 
+
+def _warn_constant_cameras(cameras: Mapping[str, Sequence[np.ndarray]], first: int) -> None:
+    """Log a warning naming each camera feature whose frames do not change over an episode
+    of two or more frames (a camera rendered black in a thread without the simulator's
+    rendering context, a blank placeholder): such a feature is useless to train on and
+    nothing else would say so."""
+    for name, arrays in cameras.items():
+        flat = [first + i for i, a in enumerate(arrays)
+                if len(a) > 1 and not np.any(a != a[:1])]
+        if flat:
+            shown = ", ".join(map(str, flat[:8])) + (", ..." if len(flat) > 8 else "")
+            value = int(np.asarray(arrays[flat[0] - first]).reshape(-1)[0])
+            _log.warning(
+                "camera feature %r is constant over episode(s) %s (every pixel %d in episode "
+                "%d): was it rendered? (a MuJoCo camera renders zeros in a thread without its "
+                "OpenGL context: build the env in the thread that steps it)",
+                name, shown, value, flat[0])
+
 # Episodes-metadata row: 8 int64 columns plus the list and string offsets of ``tasks``.
 _META_ROW_NBYTES = 8 * 8 + 4 + 4
 # Every call rewrites the current episodes-metadata file; capping it (about 11,000 episodes)
@@ -454,6 +472,7 @@ class LeRobotWriter:
         first_episode, first_frame = self._next_episode, self._next_frame
         if not lengths:
             return range(first_episode, first_episode)
+        _warn_constant_cameras(cameras, first_episode)
         call = _Call(first_episode, first_frame, columns, cameras, lengths, list(tasks))
         if not cameras:
             self._commit(call)
