@@ -493,3 +493,47 @@ def test_run_returns_items_by_env_rank_and_stack_ranks_stacks_one_step():
         np.testing.assert_array_equal(np.asarray(batch.rewards)[r], np.asarray(ref[(0, r)].rewards))
     with pytest.raises(ValueError, match="several training steps"):
         stack_ranks(items + [("default", ref[(0, 0)].replace(step_id=np.int32(1)))])
+
+
+def test_env_factories_run_in_a_thread_of_their_own_and_bad_ones_name_the_rank():
+    from jaxtraj.runners.bound import ThreadBoundEnv
+
+    built_in, stepped_in = {}, {}
+
+    class Recording(PointEnv):
+        def __init__(self, rank):
+            super().__init__(rank)
+            built_in[rank] = threading.current_thread().name
+
+        def step(self, key, actions):
+            stepped_in.setdefault(self.rank, set()).add(threading.current_thread().name)
+            return super().step(key, actions)
+
+    ref = sync_reference(2)
+    runner = AsyncRunner(make_collector(), [lambda r=r: Recording(r) for r in range(RANKS)],
+                         policy_fn, PARAMS, seed=SEED)
+    assert all(isinstance(env, ThreadBoundEnv) for env in runner.envs)
+    got = {}
+    for _ in range(2):  # two runs: new worker threads, the same env threads
+        got.update({(int(tr.step_id), int(tr.env_rank)): tr for _, tr in runner.run()})
+    for k in ref:
+        assert_same(got[k], ref[k])  # the same trajectories as envs given directly
+    for r in range(RANKS):
+        assert stepped_in[r] == {built_in[r]} == {f"jaxtraj-env_worker_{r}"}
+    for env in runner.envs:
+        env.close()
+
+    def broken():
+        raise OSError("no display")
+
+    closed = []
+
+    class Closing(PointEnv):
+        def close(self):
+            closed.append(self.rank)
+
+    for bad, match in ((broken, "no display"), (lambda: 42, "not an environment")):
+        with pytest.raises(RunnerError, match=match) as info:
+            AsyncRunner(make_collector(), [lambda: Closing(0), bad], policy_fn, PARAMS)
+        assert info.value.worker == "env_worker_1"
+    assert closed == [0, 0]  # the rank built before the bad one was closed both times

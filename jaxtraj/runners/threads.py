@@ -45,6 +45,7 @@ import jax
 import numpy as np
 
 from jaxtraj.collector import TrajectoryCollector
+from jaxtraj.runners.bound import ThreadBoundEnv, is_factory
 from jaxtraj.runners.service import (  # noqa: F401  (re-exported: the public names)
     Consumer,
     Env,
@@ -81,7 +82,13 @@ class AsyncRunner:
     Args:
       collector: the :class:`TrajectoryCollector` to feed (rollout, pipeline or lerobot
         mode); only the thread calling :meth:`run` touches it.
-      envs: one :class:`Env` per env rank; ``envs[r]`` owns rank ``env_ranks[r]``.
+      envs: one :class:`Env` per env rank; ``envs[r]`` owns rank ``env_ranks[r]``. Or a
+        factory per rank (a callable returning the env): it is called in a thread of the
+        env's own, and every call to the env runs in that thread across :meth:`run` calls
+        (:class:`~jaxtraj.runners.bound.ThreadBoundEnv`): what a simulator that binds
+        rendering to a thread needs (a MuJoCo camera renders black from another thread).
+        A factory that raises, or returns something that is not an env, is a
+        :class:`RunnerError` naming the rank; the ranks built before it are closed.
       policy_fn: ``policy_fn(params, obs, rng) -> PolicyOutput`` for a batch ``[B, ...]``;
         the runner stamps ``versions`` with the current model version.
       params: the initial policy parameters (version 0).
@@ -147,10 +154,20 @@ class AsyncRunner:
         allow_shared_seeds: bool = False,
     ):
         self.collector, self.plan = collector, collector.plan
-        self.envs, self.policy_fn, self.value_fn = list(envs), policy_fn, value_fn
-        self.env_ranks = list(range(len(self.envs)) if env_ranks is None else env_ranks)
-        if len(self.env_ranks) != len(self.envs):
-            raise ValueError(f"{len(self.envs)} envs but {len(self.env_ranks)} env_ranks")
+        self.policy_fn, self.value_fn = policy_fn, value_fn
+        envs = list(envs)
+        self.env_ranks = list(range(len(envs)) if env_ranks is None else env_ranks)
+        if len(self.env_ranks) != len(envs):
+            raise ValueError(f"{len(envs)} envs but {len(self.env_ranks)} env_ranks")
+        self.envs = []
+        for env, r in zip(envs, self.env_ranks):
+            try:
+                self.envs.append(self._built(env, r))
+            except RunnerError:  # the ranks built so far stop cleanly
+                for built in self.envs:
+                    if isinstance(built, ThreadBoundEnv):
+                        built.close()
+                raise
         if num_steps < 1:
             raise ValueError(f"num_steps must be >= 1, got {num_steps}")
         for env in self.envs:
@@ -311,6 +328,17 @@ class AsyncRunner:
             raise RunnerError(worker, key, exc, self.delivered) from exc
         self.step_id += n
         return rank_order(consumer.kept)
+
+    def _built(self, env: Any, rank: int) -> Any:
+        """An env as given, or, for a factory, built in a thread of its own that every
+        later call to it runs in (:class:`~jaxtraj.runners.bound.ThreadBoundEnv`)."""
+        if not is_factory(env):
+            return env
+        name = f"env_worker_{rank}"
+        try:
+            return ThreadBoundEnv(env, name)
+        except Exception as exc:
+            raise RunnerError(name, None, exc) from exc
 
     def _key(self, rank: int, n: int) -> TrajectoryKey:
         """The ``n``-th key env rank ``rank`` produces in this run (no list of them)."""
