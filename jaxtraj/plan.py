@@ -47,7 +47,13 @@ class TrajectoryPlan:
         (never the whole next forward-input dictionary).
       nonfinite: ``"reject"`` parts whose rewards or values are not finite, or
         ``"allow"`` them.
-      env_reward_weight: weight of the environment reward in ``compute_rewards``.
+      env_reward_weight: weight of the environment reward where a reward model scored
+        the chunk: with ``EnvTransition.reward_model_output`` given, the rewards are
+        ``env_reward_weight * rewards + reward_model_weight * reward_model_output``;
+        without one the environment's reward passes unchanged (the original system's
+        rule, ``EnvTransition.compute_rewards``). The default ``1.0`` adds the model's
+        score to the environment's reward; the original system's default is ``0.0``
+        (with a reward model, only the model's score counts): set it to ``0.0`` for that.
       reward_model_weight: weight of ``EnvTransition.reward_model_output``.
       queue_key: the queue key flushed rollout items are routed to.
       resend: a half received again (a worker restarted and re-sent it) is a

@@ -448,23 +448,32 @@ class EnvTransition:
         env_reward_weight: float = 1.0,
         reward_model_weight: float = 1.0,
     ) -> Array | None:
-        """The chunk's composed rewards, per action as given: ``w_env * rewards +
-        w_rm * reward_model_output``. The truncation bootstrap is not here: it belongs to
-        the chunk's training reward (:meth:`chunk_rewards`), which the training targets
-        compute (:func:`jaxtraj.targets.trajectory_targets`).
+        """The chunk's composed rewards, per action as given.
+
+        The original system's rule: where a reward model scored the chunk
+        (``reward_model_output`` is given), ``env_reward_weight * rewards +
+        reward_model_weight * reward_model_output``; without a reward-model output the
+        environment's rewards pass unchanged, whatever the weights. jaxtraj's default
+        ``env_reward_weight`` is ``1.0`` (the model's score is added to the
+        environment's reward); the original system's is ``0.0`` (with a reward model,
+        only the model's score counts): pass ``env_reward_weight=0.0`` for that.
+
+        The truncation bootstrap is not here: it belongs to the chunk's training reward
+        (:meth:`chunk_rewards`), which the training targets compute
+        (:func:`jaxtraj.targets.trajectory_targets`).
 
         Shapes: ``rewards [B]`` or ``[B, K]``; ``reward_model_output`` alike.
         """
         if self.rewards is None:
             return None
         rewards = self.rewards
+        if self.reward_model_output is None:  # no reward model: the env's reward as given
+            return rewards
         if env_reward_weight != 1.0:
             rewards = env_reward_weight * rewards
-        if self.reward_model_output is not None:
-            rewards = rewards + reward_model_weight * jnp.asarray(
-                self.reward_model_output, jnp.result_type(rewards)
-            )
-        return rewards
+        return rewards + reward_model_weight * jnp.asarray(
+            self.reward_model_output, jnp.result_type(rewards)
+        )
 
 
 @struct.dataclass

@@ -3,6 +3,8 @@ reward-model weights, the critic-free form."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -158,12 +160,26 @@ def test_reward_model_signal_of_another_batch_is_rejected():
     assert len(out) == 1
 
 
-def test_env_reward_weight_applies_without_a_reward_model():
+def test_env_reward_weight_applies_only_with_a_reward_model():
+    """The original system's rule: without a reward-model output the environment's reward
+    passes unchanged, whatever ``env_reward_weight`` says."""
     plan = jaxtraj.TrajectoryPlan(
         num_chunks=3, batch_size=1, env_reward_weight=0.5, truncation_bootstrap="none"
     )
     traj = collect(plan, parts())
-    np.testing.assert_allclose(traj.rewards[0, :, 0], [0.5, 1.0, 1.5])
+    np.testing.assert_allclose(traj.rewards[0, :, 0], [1.0, 2.0, 3.0])
+
+
+def test_reward_model_weights_defaults_and_the_originals():
+    """jaxtraj's default env_reward_weight=1.0 adds the model's score to the env's reward;
+    the original system's default 0.0 keeps only the model's score."""
+    rm = (1.0, 0.0, -1.0)
+    plan = jaxtraj.TrajectoryPlan(num_chunks=3, batch_size=1, truncation_bootstrap="none")
+    traj = collect(plan, parts(rm=rm))
+    np.testing.assert_allclose(traj.rewards[0, :, 0], [1.0 + 1.0, 2.0 + 0.0, 3.0 - 1.0])
+    original = dataclasses.replace(plan, env_reward_weight=0.0, reward_model_weight=3.0)
+    traj = collect(original, parts(rm=rm))
+    np.testing.assert_allclose(traj.rewards[0, :, 0], [3.0, 0.0, -3.0])
 
 
 def test_action_gamma_discounts_inside_the_chunk_and_gamma_per_chunk():
