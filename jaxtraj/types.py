@@ -195,6 +195,13 @@ class PolicyOutput:
         leaves ``[B, ...]``.
       bootstrap_values: optional ``[B]`` values the policy computed for a boundary
         observation alongside its actions; retained as given.
+      intervene_flags: optional bool ``[B]`` or ``[B, K]``, model-side intervention
+        flags: actions the policy side reports as intervened (a corrected action it
+        applied itself, so ``actions`` already hold it). ``[B]`` flags every action of
+        the row's chunk, ``[B, K]`` each action. They never replace actions (the
+        environment's ``EnvTransition.intervene_actions`` do);
+        :meth:`TrajectoryStep.from_parts` ors them, expanded to the action elements,
+        into the step's ``intervene_flags``.
     """
 
     actions: Array
@@ -203,6 +210,7 @@ class PolicyOutput:
     versions: Array | None = None
     forward_inputs: PyTree | None = None
     bootstrap_values: Array | None = None
+    intervene_flags: Array | None = None  # last: positional construction keeps working
 
 
 @struct.dataclass
@@ -220,20 +228,26 @@ class PolicyPart(_Fragmentable):
     def missing_outputs(self, layout: PolicyOutput) -> list[str]:
         """The ``PolicyOutput`` fields the buffers ``layout`` hold that this half lacks:
         a half that was not inferred (a human's or a scripted expert's actions) has no
-        log-probabilities, values or versions."""
+        log-probabilities, values or versions.
+
+        Model-side ``intervene_flags`` count only in such a half (an expert's gets
+        ``False`` from :meth:`as_expert`): an inferred half that lacks only them is not
+        an expert's, and the structure check names the missing field."""
         out = self.output
-        return [
+        missing = [
             f.name
             for f in dataclasses.fields(out)
             if getattr(out, f.name) is None and getattr(layout, f.name) is not None
         ]
+        return [] if missing == ["intervene_flags"] else missing
 
     def as_expert(
         self, layout: PolicyOutput, lead: int, xp: Any = np, stacked: bool = False
     ) -> PolicyPart:
         """This half with the output fields it lacks (:meth:`missing_outputs`) filled with
-        zeros shaped like ``layout``'s rows (``lead`` leading buffer axes before them):
-        how lerobot mode stores an expert's half. ``xp``: numpy or ``jax.numpy``;
+        zeros shaped like ``layout``'s rows (``lead`` leading buffer axes before them;
+        ``False`` for model-side ``intervene_flags``): how lerobot mode stores an expert's
+        half. ``xp``: numpy or ``jax.numpy``;
         ``stacked``: a stack of halves (a leading axis on every leaf)."""
         rows = tuple(np.shape(self.output.actions)[: 2 if stacked else 1])
         zeros = lambda b: xp.zeros(rows + tuple(b.shape[lead + 1 :]), b.dtype)
@@ -658,7 +672,12 @@ class TrajectoryStep:
         (defaults without a plan): what the environment and the reward model gave, per
         action as given, without the truncation bootstrap (the training targets add it:
         ``EnvTransition.chunk_rewards``); executed human actions replace the policy's
-        through :meth:`apply_interventions`.
+        through :meth:`apply_interventions`. The step's ``intervene_flags`` (shaped like
+        ``actions``) are the environment's flags (with its ``intervene_actions``) or the
+        policy side's ``PolicyOutput.intervene_flags`` expanded to the action elements
+        (:meth:`flag_interventions`), whichever are present; ``None`` with neither. (The
+        original system lets the model-side flags overwrite the environment's; jaxtraj
+        ors them, so no executed human action goes unflagged.)
         """
         plan = plan if plan is not None else TrajectoryPlan(num_chunks=1)  # its defaults
         out, tr = policy.output, env.transition
@@ -689,7 +708,32 @@ class TrajectoryStep:
         )
         if tr.intervene_actions is not None:
             step = step.apply_interventions(tr.intervene_actions, tr.intervene_flags)
+        if out.intervene_flags is not None:
+            step = step.flag_interventions(out.intervene_flags, tr)
         return step
+
+    def flag_interventions(
+        self, intervene_flags: Array, transition: EnvTransition | None = None
+    ) -> TrajectoryStep:
+        """Or model-side intervention flags (``PolicyOutput.intervene_flags``) into the
+        step's ``intervene_flags``, expanded to the action elements; the actions are
+        not touched (the policy side applied its correction itself).
+
+        ``intervene_flags [...]`` (per row: every action of the chunk) or ``[..., K]``
+        (per action) lead the actions' shape ``[..., K, A]``, or for flat actions
+        ``[..., K*A]`` split them in ``K`` actions, ``K`` being the chunk's (the
+        action-level fields of ``transition``, else 1; see :func:`chunk_size`). The
+        environment's flags, where :meth:`apply_interventions` recorded them, stay
+        set: the result is their or.
+
+        Raises:
+          CollectorError: ``STRUCTURE_MISMATCH`` naming ``PolicyOutput.intervene_flags``
+            when they are not bool or do not fit the action chunk (at trace time).
+        """
+        flags = _model_flags(self.actions, intervene_flags, transition)
+        if self.intervene_flags is not None:
+            flags = flags | self.intervene_flags
+        return self.replace(intervene_flags=flags)
 
     def apply_interventions(
         self, intervene_actions: Array, intervene_flags: Array
@@ -728,6 +772,33 @@ class TrajectoryStep:
             # RLT's reference chunk takes the executed human actions too.
             rlt_obs=intervened(self.rlt_obs, ("ref_chunk",)),
         )
+
+
+def _model_flags(actions: Array, flags: Array, transition: EnvTransition | None) -> Array:
+    """Model-side flags ``[...]`` or ``[..., K]`` expanded to ``actions``' shape (see
+    :meth:`TrajectoryStep.flag_interventions`); static shape and dtype checks."""
+    s, f = tuple(np.shape(actions)), tuple(np.shape(flags))
+    dtype = getattr(flags, "dtype", None)
+    n = len(f)
+    fits = n >= 1 and s[:n] == f  # per row, or per action of actions [..., K, A]
+    if not fits and n >= 2 and len(s) == n and s[: n - 1] == f[:-1]:
+        # flat actions [..., K*A]: K as the chunk states it (action-level fields of the
+        # transition, which have the flags' rank; else 1)
+        fields = (getattr(transition, name, None) for name in _PER_ACTION + ("intervene_flags",))
+        ks = {np.shape(x)[-1] for x in fields if x is not None and len(np.shape(x)) == n}
+        k = ks.pop() if len(ks) == 1 else 1
+        fits = f[-1] == k and s[-1] % k == 0
+    if dtype != np.bool_ or not fits:
+        raise CollectorError(
+            None,
+            ErrorCode.STRUCTURE_MISMATCH,
+            f"PolicyOutput.intervene_flags: must be bool, [rows] or [rows, K] for the "
+            f"chunk's K actions; got {dtype} {f} against actions {s} (leading buffer axes "
+            "included)",
+        )
+    flags = jnp.asarray(flags)
+    per = int(np.prod(s[n:])) if s[:n] == f else s[-1] // f[-1]
+    return jnp.broadcast_to(flags[..., None], f + (per,)).reshape(s)
 
 
 def _with_boundary(first: Array | None, rest: Array | None, axis: int) -> Array | None:

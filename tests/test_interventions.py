@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import PLAN, A, B, K, all_parts, env_part, policy_part
+from helpers import PLAN, A, B, K, T, all_parts, env_part, policy_part
 
 import jaxtraj
 from jaxtraj import CollectorError, ErrorCode
@@ -94,3 +94,36 @@ def test_bad_intervention_shapes_are_rejected(actions, flags, match):
         c.add(bad)
     assert info.value.code == ErrorCode.STRUCTURE_MISMATCH
     assert info.value.key == (0, 0, 0, 0, 1)
+
+
+def test_model_side_flags_are_recorded_never_replace_actions():
+    """``PolicyOutput.intervene_flags`` (the policy side corrected the action itself): or-ed
+    into the flags beside the env's, per action element; actions and the forward input
+    ``"action"`` change only where the env's human actions say."""
+    model = np.zeros((B, K), bool)
+    model[0, 1] = model[1, 0] = True  # env 1 action 0: also the human's below
+    env = np.zeros((B, K), bool)
+    env[1, 0] = env[2, 1] = True
+
+    def with_model_flags(p):
+        return p.replace(output=p.output.replace(intervene_flags=model))
+
+    example_env = intervened(env_part(0), np.zeros((B, K), bool))
+    c = jaxtraj.TrajectoryCollector(PLAN, with_model_flags(with_action_input(policy_part(0))),
+                                    example_env)
+    out = []
+    for p in all_parts(0):
+        if isinstance(p, jaxtraj.EnvPart):
+            p = intervened(p, env if p.source.key.as_tuple()[1:] == (0, 0, 0, 1) else np.zeros_like(env))
+        else:
+            p = with_model_flags(with_action_input(p))
+        out += c.add(p)
+    traj = out[0][1]
+    expect = np.array(policy_part(1).output.actions)
+    expect[1, 0] = expect[2, 1] = HUMAN  # the env's; the model's [0, 1] is the policy's own
+    np.testing.assert_array_equal(traj.actions[0, 1], expect)
+    np.testing.assert_array_equal(traj.forward_inputs["action"][0, 1], expect.reshape(B, -1))
+    flags = np.asarray(traj.intervene_flags)  # [E, T, B, K, A]
+    np.testing.assert_array_equal(flags[0, 1], np.repeat((model | env)[..., None], A, -1))
+    np.testing.assert_array_equal(flags[0, 0], np.repeat(model[..., None], A, -1))
+    assert traj.intervened_segments("any")[0] == (0, 0, 0, T)  # env 0: every chunk (model)
