@@ -102,7 +102,8 @@ def _truncated_pair():
     p, v = policy_part(1), env_part(1)
     trunc = np.zeros((B,), bool)
     trunc[1] = True
-    return p, v.replace(transition=v.transition.replace(truncations=trunc))
+    rm = np.ones_like(v.transition.rewards)  # a reward model: the weights apply to it
+    return p, v.replace(transition=v.transition.replace(truncations=trunc, reward_model_output=rm))
 
 
 def test_from_parts_without_a_plan_uses_the_plans_defaults():
@@ -113,7 +114,7 @@ def test_from_parts_without_a_plan_uses_the_plans_defaults():
     other = TrajectoryStep.from_parts(p, v, TrajectoryPlan(num_chunks=1, env_reward_weight=0.5))
     assert not np.array_equal(bare.rewards, other.rewards)
     # The rewards are the environment's: the truncation bootstrap is the targets' business.
-    np.testing.assert_array_equal(bare.rewards, v.transition.rewards)
+    np.testing.assert_array_equal(bare.rewards, v.transition.rewards + v.transition.reward_model_output)
 
 
 def test_from_parts_without_a_plan_follows_the_plan_defaults_when_they_change(monkeypatch):
