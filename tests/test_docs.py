@@ -153,6 +153,29 @@ def test_sphinx_roles_in_docstrings_become_api_links():
     assert not missing, missing
 
 
+def test_docstrings_render_as_sphinx_would_with_shapes_in_the_type_column():
+    """The same extension fences reST literal blocks (``Example::``) and puts the shape
+    and dtype a vaguely annotated entry's description starts with in its Type column."""
+    griffe = pytest.importorskip("griffe")
+    loaded = griffe.load(
+        "jaxtraj", search_paths=[str(ROOT)], docstring_parser="google",
+        extensions=griffe.load_extensions(str(ROOT / "scripts" / "griffe_roles.py")),
+    )
+    envs = loaded["envs"].docstring.value
+    assert "::" not in envs and "without running anything:\n\n```python\n" in envs
+
+    def types(path):
+        sections = loaded[path].docstring.parsed
+        return {i.name: (str(i.annotation), i.description)
+                for s in sections if s.kind.value == "attributes" for i in s.value}
+
+    out = types("types.PolicyOutput")
+    assert out["actions"][0] == "Array [B, K, A] or [B, K*A]"
+    assert out["prev_logprobs"][0] == "Array | None"  # no shape in its description
+    flags = types("types.EnvTransition")["terminations"]
+    assert flags == ("Array | None bool [B] or [B, K]", "episode ended naturally.")
+
+
 def test_error_codes_page_lists_every_code_with_a_fix():
     from jaxtraj import ErrorCode
 
