@@ -42,8 +42,9 @@ Importing this package needs neither gymnasium nor EnvPool: each adapter imports
 library when constructed, and says which extra to install when it is missing.
 """
 
+from jaxtraj.envs.base import EnvSpec, check_spec, example_parts
 from jaxtraj.envs.envpool import EnvPoolEnv
 from jaxtraj.envs.envpool_xla import EnvPoolXla
-from jaxtraj.envs.gymnasium import EnvSpec, GymnasiumEnv, check_spec, example_parts
+from jaxtraj.envs.gymnasium import GymnasiumEnv
 
 __all__ = ["EnvPoolEnv", "EnvPoolXla", "EnvSpec", "GymnasiumEnv", "check_spec", "example_parts"]

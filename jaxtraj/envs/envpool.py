@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxtraj.envs.gymnasium import ChunkEnv, _replace_rows, require
+from jaxtraj.envs.base import ChunkEnv, _replace_rows, require
 
 PyTree = Any
 

@@ -56,7 +56,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtraj.envs.gymnasium import check_chunk_end
+from jaxtraj.envs.base import check_chunk_end
 from jaxtraj.runners import sync
 
 __all__ = ["EnvPoolXla"]
