@@ -524,6 +524,127 @@ def test_envpool_refuses_async_pools_and_mismatched_spaces(envpool):
     EnvPoolEnv(pool, actions_per_chunk=K, obs_dtype=np.float64, policy_example=pol)
 
 
+# ----------------------------------------------------------------------- clip_actions
+
+
+def logged_pendulums(gym, log, batch):
+    """InvertedPendulum-v5 single envs (action bounds [-3, 3], ctrllimited) that log
+    each action they receive, per env, into ``log[i]``."""
+
+    class ActionLog(gym.Wrapper):
+        def __init__(self, env, i):
+            super().__init__(env)
+            self.i = i
+
+        def step(self, action):
+            log[self.i].append(np.array(action, copy=True))
+            return self.env.step(action)
+
+    return [lambda i=i: ActionLog(gym.make("InvertedPendulum-v5"), i) for i in range(batch)]
+
+
+def assert_same_steps(a: EnvStep, b: EnvStep):
+    for name in ("transition", "obs", "final_obs", "action_obs", "info"):
+        jax.tree.map(np.testing.assert_array_equal, getattr(a, name), getattr(b, name))
+
+
+@pytest.mark.parametrize("chunk_end", ["continue", "cut"])
+def test_gymnasium_clip_actions_sends_the_clipped_actions(gym, chunk_end):
+    """InvertedPendulum-v5 fed actions in [-10, 10] with clip_actions=True: each
+    sub-environment receives the actions clipped to [-3, 3] (float32, the space's dtype),
+    and the EnvSteps are those of the adapter without clipping fed the clipped actions
+    and, under "continue", of single environments fed them."""
+    from gymnasium.vector import SyncVectorEnv
+
+    Bn = 2
+    rng = np.random.default_rng(3)
+    actions = rng.uniform(-10, 10, (T, Bn, K, 1))
+    clipped = np.clip(actions.astype(np.float32), -3, 3)
+    assert (np.abs(actions) > 3).mean() > 0.5
+    seeds = [SEED + i for i in range(Bn)]
+    steps = {}
+    for clip, given in ((True, actions), (False, clipped)):
+        log = [[] for _ in range(Bn)]
+        env = GymnasiumEnv(
+            SyncVectorEnv(logged_pendulums(gym, log, Bn)),
+            actions_per_chunk=K,
+            seed=SEED,
+            per_action_obs=True,
+            chunk_end=chunk_end,
+            clip_actions=clip,
+        )
+        assert env.clip_actions is clip
+        _, steps[clip] = run_chunks(env, given)
+        env.close()
+        ran = np.stack(
+            [np.ones((Bn, K), bool) if s.transition.valid_actions is None
+             else s.transition.valid_actions for s in steps[clip]]
+        )  # [T, B, K]
+        for b in range(Bn):  # what the simulator received, in order
+            got = np.stack(log[b])
+            assert got.dtype == np.float32
+            np.testing.assert_array_equal(got, clipped[:, b][ran[:, b]])
+    done = np.stack([s.transition.terminations | s.transition.truncations for s in steps[True]])
+    assert done.sum() >= 2, "the scenario needs episode ends"
+    for a, b in zip(steps[True], steps[False]):
+        assert_same_steps(a, b)
+    if chunk_end == "continue":
+        first, ref = reference([lambda: gym.make("InvertedPendulum-v5")] * Bn, seeds, clipped)
+        for t, (step, want) in enumerate(zip(steps[True], ref)):
+            try:
+                assert_same(step, want)
+            except AssertionError as e:
+                raise AssertionError(f"chunk {t}: {e}") from e
+
+
+def test_gymnasium_clip_actions_changes_a_control_cost(gym):
+    """Why it matters for a dataset: MuJoCo clamps ctrl to ctrlrange in the dynamics,
+    but Hopper-v5's control cost is computed on the action as given, so unclipped
+    actions give other rewards than the clipped ones; clip_actions=True gives the
+    clipped actions' rewards."""
+    from gymnasium.vector import AutoresetMode
+
+    actions = np.clip(hopper_actions() * 4, -4, 4)
+    clipped = np.clip(actions, -1, 1)
+    rewards = {}
+    for name, clip, given in (("clip", True, actions), ("raw", False, actions),
+                              ("ref", False, clipped)):
+        env = GymnasiumEnv(hopper_vec(gym, AutoresetMode.NEXT_STEP), actions_per_chunk=K, seed=SEED,
+                           chunk_end=MODE, clip_actions=clip)
+        _, steps = run_chunks(env, given)
+        env.close()
+        rewards[name] = np.stack([s.transition.rewards for s in steps])
+    np.testing.assert_array_equal(rewards["clip"], rewards["ref"])
+    assert not np.allclose(rewards["raw"], rewards["ref"])
+
+
+def test_envpool_clip_actions(envpool):
+    """EnvPool Hopper-v4 (bounds [-1, 1]) with clip_actions=True fed actions in [-4, 4]
+    steps as the pool fed the clipped actions (under both chunk ends)."""
+    actions = hopper_actions() * 4
+    clipped = np.clip(actions.astype(np.float64), -1, 1)
+    for chunk_end in ("continue", "cut"):
+        got = {}
+        for clip, given in ((True, actions), (False, clipped)):
+            pool = envpool.make("Hopper-v4", env_type="gymnasium", num_envs=B, seed=SEED)
+            env = EnvPoolEnv(pool, actions_per_chunk=K, per_action_obs=True,
+                             chunk_end=chunk_end, clip_actions=clip)
+            _, got[clip] = run_chunks(env, given)
+            env.close()
+        for a, b in zip(got[True], got[False]):
+            assert_same_steps(a, b)
+
+
+def test_clip_actions_needs_a_box_action_space(gym):
+    from gymnasium.vector import SyncVectorEnv
+
+    vec = SyncVectorEnv([lambda: gym.make("CartPole-v1")] * 2)
+    with pytest.raises(ValueError, match=r"GymnasiumEnv: clip_actions needs a Box action space"):
+        GymnasiumEnv(vec, actions_per_chunk=K, clip_actions=True)
+    GymnasiumEnv(vec, actions_per_chunk=K)  # without clipping a Discrete space is served
+    vec.close()
+
+
 # ----------------------------------------------------------------------- extras
 
 

@@ -9,8 +9,8 @@
   :func:`example_parts` (the collector's example halves) and :func:`check_spec` (an
   adapter against the collector's examples);
 - the adapters' helpers: :func:`require` (import a simulator's library, or name the
-  extra that installs it), :func:`check_chunk_end`, :func:`space_spec`,
-  :func:`obs_converter` and :func:`cast_obs`.
+  extra that installs it), :func:`check_chunk_end`, :func:`action_bounds`,
+  :func:`space_spec`, :func:`obs_converter` and :func:`cast_obs`.
 
 The public names are importable from :mod:`jaxtraj.envs`. This module imports neither
 gymnasium nor EnvPool.
@@ -267,13 +267,14 @@ class ChunkEnv:
     _obs_spec: PyTree  # ShapeDtypeStruct leaves [B, ...], after casting
     _action_shape: tuple[int, ...]
     _action_dtype: np.dtype
+    _action_bounds: tuple[np.ndarray, np.ndarray] | None  # (low, high) when clip_actions
     _reward_dtype: np.dtype
     _convert: Callable[[Any], PyTree]  # the env's observation -> our cast tree
 
     def _setup(
         self, *, num_envs, obs_space, action_space, obs_is_dict, obs_dtype, obs_key,
         actions_per_chunk, per_action_obs, info_keys, reward_dtype, success=None,
-        chunk_end="continue",
+        chunk_end="continue", clip_actions=False,
     ):
         """The options both adapters share, and what the spaces (one sub-env's) imply."""
         self.chunk_end = check_chunk_end(chunk_end, type(self).__name__)
@@ -300,6 +301,10 @@ class ChunkEnv:
         self._convert = obs_converter(np.dtype(obs_dtype), obs_key, obs_is_dict)
         self._action_shape = tuple(action_space.shape)
         self._action_dtype = np.dtype(action_space.dtype)
+        self.clip_actions = bool(clip_actions)
+        self._action_bounds = (
+            action_bounds(action_space, type(self).__name__) if self.clip_actions else None
+        )
 
     # ------------------------------------------------------------------ public
 
@@ -343,10 +348,14 @@ class ChunkEnv:
         return self._obs
 
     def step(self, key: TrajectoryKey | None, actions: Any):
-        """Execute one chunk ``[B, K, *action_shape]``; see the module docstring.
+        """Execute one chunk ``[B, K, *action_shape]``; see the adapter's docstring
+        (:class:`~jaxtraj.envs.GymnasiumEnv`, :class:`~jaxtraj.envs.EnvPoolEnv`).
 
         ``key`` names the chunk; it does not change what is executed (randomness is the
-        environments' own, continued from their seeds).
+        environments' own, continued from their seeds). The actions are cast to the
+        action space's dtype and, with ``clip_actions``, clipped to its bounds: that is
+        what the simulator receives. The returned ``EnvStep`` does not carry them: the
+        collector records the actions given here (the policy's).
         """
         from jaxtraj.runners.service import EnvStep
 
@@ -360,6 +369,8 @@ class ChunkEnv:
                 f"{self._action_shape}), got {tuple(np.shape(actions))}"
             )
         actions = np.asarray(actions, dtype=self._action_dtype)
+        if self._action_bounds is not None:  # what the simulator receives (NaN stays NaN)
+            actions = np.clip(actions, *self._action_bounds)
         rewards = np.zeros((B, K), self._reward_dtype)
         terms, truncs = np.zeros((B, K), bool), np.zeros((B, K), bool)
         info = {name: [None] * K for name in self._kept_keys}
@@ -502,6 +513,25 @@ class ChunkEnv:
         """``chunk_end="cut"``: reset the envs ``rows`` (ascending, no seed: their random
         streams continue) -> their cast observations ``[n, ...]``."""
         raise NotImplementedError
+
+
+def action_bounds(space: Any, who: str) -> tuple[np.ndarray, np.ndarray]:
+    """A Box-like single-env action space's ``(low, high)``, each shaped like one action
+    in the space's dtype: what ``clip_actions`` clips to.
+
+    Raises:
+      ValueError: the space has no ``low`` and ``high`` (a ``Discrete`` space, ...).
+    """
+    low, high = getattr(space, "low", None), getattr(space, "high", None)
+    if low is None or high is None or getattr(space, "shape", None) is None:
+        raise ValueError(
+            f"{who}: clip_actions needs a Box action space (low and high bounds), got {space!r}"
+        )
+    shape, dtype = tuple(space.shape), np.dtype(space.dtype)
+    return (
+        np.broadcast_to(np.asarray(low, dtype), shape).copy(),
+        np.broadcast_to(np.asarray(high, dtype), shape).copy(),
+    )
 
 
 def space_spec(space: Any, batch: int, obs_dtype: np.dtype, obs_key: str | None) -> PyTree:

@@ -24,9 +24,11 @@ step in either mode.
 
 Casting, once here: float observation leaves (EnvPool's are float64) to ``obs_dtype``,
 rewards (float32) to ``reward_dtype``, actions to the action space's dtype (MuJoCo
-tasks: float64). Only the synchronous mode (``batch_size == num_envs``) is served; its
-rows (of a full or a partial step, and of a reset) come back in ``env_id`` order, which
-every step asserts.
+tasks: float64). Actions are clipped to the action space's bounds only with
+``clip_actions`` (MuJoCo clamps ``ctrl`` to ``ctrlrange`` in the dynamics; a reward
+term such as a control cost may see the action as given). Only the synchronous mode
+(``batch_size == num_envs``) is served; its rows (of a full or a partial step, and of a
+reset) come back in ``env_id`` order, which every step asserts.
 
 This module imports no envpool at import time.
 """
@@ -59,11 +61,15 @@ class EnvPoolEnv(ChunkEnv):
       success: as for :class:`~jaxtraj.envs.GymnasiumEnv`.
       policy_example: as for :class:`~jaxtraj.envs.GymnasiumEnv`.
       chunk_end: ``"cut"`` (default) or ``"continue"``; see the module docstring.
+      clip_actions: clip each action to the pool's action bounds (``action_space.low``
+        / ``high``) before it is sent (a NaN stays a NaN). The collector still records
+        the actions the policy gave; to record what ran, clip in the policy (see the
+        LeRobot guide).
 
     Raises:
       ValueError: an asynchronous pool (``batch_size < num_envs``), an unsupported
-        observation space, spaces that do not match ``policy_example``, or an unknown
-        ``chunk_end``.
+        observation space, spaces that do not match ``policy_example``, an unknown
+        ``chunk_end``, or ``clip_actions`` with an action space that has no bounds.
       ImportError: envpool is not installed (the ``envpool`` extra).
     """
 
@@ -80,6 +86,7 @@ class EnvPoolEnv(ChunkEnv):
         success: str | None = None,
         policy_example: Any = None,
         chunk_end: str = "cut",
+        clip_actions: bool = False,
     ):
         require("envpool", "envpool", "jaxtraj.envs.EnvPoolEnv")
         config = getattr(pool, "config", None)
@@ -109,6 +116,7 @@ class EnvPoolEnv(ChunkEnv):
             reward_dtype=reward_dtype,
             success=success,
             chunk_end=chunk_end,
+            clip_actions=clip_actions,
         )
         self.pool = pool
         self._ids = np.arange(num_envs)

@@ -127,8 +127,10 @@ class GymnasiumEnv(ChunkEnv):
 
     Casting, once here: float observation leaves to ``obs_dtype`` (integer leaves such
     as images keep theirs), rewards to ``reward_dtype``, actions to the action space's
-    dtype (Hopper-v5: float32; whatever the policy gives is cast). Actions are not
-    clipped to the action space.
+    dtype (Hopper-v5: float32; whatever the policy gives is cast). Actions are clipped to
+    the action space's bounds only with ``clip_actions``: gymnasium's MuJoCo envs do not
+    clip (MuJoCo clamps ``ctrl`` to ``ctrlrange`` in the dynamics, but a reward term such
+    as Hopper's control cost sees the action as given).
 
     Args:
       vector_env: a ``gymnasium.vector.VectorEnv`` (``SyncVectorEnv``,
@@ -152,12 +154,17 @@ class GymnasiumEnv(ChunkEnv):
         check the spaces against at construction (:meth:`check_against`).
       chunk_end: ``"cut"`` or ``"continue"`` (see above); ``None``: ``"cut"`` for a
         ``SyncVectorEnv``, else ``"continue"``.
+      clip_actions: clip each action to the Box action space's ``low`` / ``high``
+        before it is sent to the environment (a NaN stays a NaN). The collector still
+        records the actions the policy gave; to record what ran, clip in the policy
+        (see the LeRobot guide).
 
     Raises:
       ValueError: an autoreset mode this adapter cannot serve, an unsupported
         observation space, spaces that do not match ``policy_example``, an unknown
-        ``chunk_end``, or ``"cut"`` for a vector env whose sub-environments are not in
-        this process (``AsyncVectorEnv``) or that is wrapped.
+        ``chunk_end``, ``clip_actions`` with an action space that has no bounds, or
+        ``"cut"`` for a vector env whose sub-environments are not in this process
+        (``AsyncVectorEnv``) or that is wrapped.
       ImportError: gymnasium is not installed (the ``gymnasium`` extra).
     """
 
@@ -175,6 +182,7 @@ class GymnasiumEnv(ChunkEnv):
         seed: int | None = None,
         policy_example: Any = None,
         chunk_end: str | None = None,
+        clip_actions: bool = False,
     ):
         gym = require("gymnasium", "gymnasium", "jaxtraj.envs.GymnasiumEnv")
         vector = importlib.import_module("gymnasium.vector")
@@ -210,6 +218,7 @@ class GymnasiumEnv(ChunkEnv):
             reward_dtype=reward_dtype,
             success=success,
             chunk_end=chunk_end,
+            clip_actions=clip_actions,
         )
         self.env = vector_env
         self.seed = seed
