@@ -212,6 +212,7 @@ def env_structure(state: Any, part: EnvPart, key: Any = None) -> Layout:
     payload = part.replace(source=None, **optional)
     rows = check_payload("EnvPart", payload, layout.replace(**optional), lead, key)
     _check_interventions(state, part.transition, key)
+    check_reward_assign(part.transition, key)
     has_final = part.final_values is not None
     if has_final:
         if layout.final_values is None:
@@ -279,6 +280,46 @@ def _check_interventions(state: Any, tr: EnvTransition, key: Any) -> None:
             f"the part's action-level fields have {k_part} actions per chunk, the plan's "
             f"examples {k_state}",
         )
+
+
+def check_reward_assign(tr: EnvTransition, key: Any = None, lead: int = 0) -> None:
+    """``reward_assign_lengths`` (when given) is integer ``[rows]`` beside a
+    ``reward_model_output``: the delayed score it assigns back. ``lead``: leading buffer
+    axes before the rows."""
+    lengths = tr.reward_assign_lengths
+    if lengths is None:
+        return
+    if tr.reward_model_output is None:
+        raise CollectorError(
+            key, ErrorCode.STRUCTURE_MISMATCH,
+            "EnvTransition.reward_assign_lengths without reward_model_output: a length "
+            "assigns the chunk's reward-model score back, and there is none",
+        )
+    shape, dtype = tuple(np.shape(lengths)), np.dtype(getattr(lengths, "dtype", np.int64))
+    rows = tuple(np.shape(tr.reward_model_output))[: lead + 1]
+    if dtype.kind not in "iu" or shape != rows:
+        raise CollectorError(
+            key, ErrorCode.STRUCTURE_MISMATCH,
+            f"EnvTransition.reward_assign_lengths: must be integer (rows,), one length per "
+            f"row of reward_model_output {tuple(np.shape(tr.reward_model_output))}; got "
+            f"{dtype} {shape}",
+        )
+
+
+def negative_lengths(xp: Any, tr: EnvTransition) -> Any:
+    """``[rows]`` bool, the rows whose ``reward_assign_lengths`` is negative (all false
+    without them)."""
+    if tr.reward_assign_lengths is None:
+        return False
+    return xp.asarray(tr.reward_assign_lengths) < 0
+
+
+def lengths_detail(tr: EnvTransition, bad: np.ndarray, offset: int = 0) -> str:
+    """Names the rows refused by :func:`negative_lengths` and the first one's length."""
+    rows = np.flatnonzero(np.asarray(bad).reshape(-1))
+    shown = ", ".join(str(int(r) + offset) for r in rows[:5]) + (", ..." if rows.size > 5 else "")
+    first = int(np.asarray(tr.reward_assign_lengths).reshape(-1)[rows[0]])
+    return f"EnvTransition.reward_assign_lengths rows [{shown}]: {first}"
 
 
 # -- key and boundary rules (xp) ---------------------------------------------------------
@@ -620,6 +661,11 @@ class HostChecks:
             if np.any(bad):
                 raise CollectorError(key, ErrorCode.INVALID_ACTION_MASK,
                                      mask_detail(part.transition, bad, off))
+        if info.cut is not None and part.transition.reward_assign_lengths is not None:
+            bad = negative_lengths(np, part.transition)
+            if np.any(bad):
+                raise CollectorError(key, ErrorCode.INVALID_REWARD_ASSIGN,
+                                     lengths_detail(part.transition, bad, off))
         return s, e, t, off, layout, leaves, treedef
 
     def many(
@@ -737,6 +783,11 @@ class HostChecks:
             masked = np.asarray(invalid_action_rows(np, part.transition, rows_ndim=2))
             rules.append((masked.any(axis=1), ErrorCode.INVALID_ACTION_MASK))
             failed = failed or masked.any()
+        negative = None
+        if isinstance(part, EnvPart) and part.transition.reward_assign_lengths is not None:
+            negative = np.asarray(negative_lengths(np, part.transition)).reshape(n, -1)
+            rules.append((negative.any(axis=1), ErrorCode.INVALID_REWARD_ASSIGN))
+            failed = failed or negative.any()
         if failed:
             code = first_error(np, rules)
             bad = np.flatnonzero(code)
@@ -745,6 +796,9 @@ class HostChecks:
             if code[i] == ErrorCode.INVALID_ACTION_MASK:
                 one = jax.tree.map(lambda x: np.asarray(x)[i], part.transition)
                 where = f"{mask_detail(one, masked[i], int(off[i]))}; {where}"
+            elif code[i] == ErrorCode.INVALID_REWARD_ASSIGN:
+                one = jax.tree.map(lambda x: np.asarray(x)[i], part.transition)
+                where = f"{lengths_detail(one, negative[i], int(off[i]))}; {where}"
             elif code[i] == ErrorCode.NON_FINITE:
                 one = jax.tree.map(lambda x: np.asarray(x)[i], part.replace(source=None))
                 where = f"{nonfinite_detail(one, int(off[i]))}; {where}"

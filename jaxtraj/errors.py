@@ -38,6 +38,7 @@ class ErrorCode(enum.IntEnum):
     EPISODE_OVERFLOW = 16
     SOURCE_TIMEOUT = 17
     INVALID_ACTION_MASK = 18
+    INVALID_REWARD_ASSIGN = 19
 
 
 _REASONS = {
@@ -71,6 +72,10 @@ _REASONS = {
         "chunk's start or right after a done), ending only at an action flagged done, with "
         "no action valid right after a done and no flag or reward on an action that did "
         "not run"
+    ),
+    ErrorCode.INVALID_REWARD_ASSIGN: (
+        "EnvTransition.reward_assign_lengths must be >= 0: how many chunks of the row, "
+        "this one included, the delayed reward-model score is assigned to"
     ),
 }
 

@@ -200,6 +200,9 @@ def _add_env(plan: TrajectoryPlan, state: CollectorState, part: EnvPart, *, unif
     if part.transition.valid_actions is not None:
         bad = checks.invalid_action_rows(jnp, part.transition, rows_ndim=1)
         rules.append((jnp.any(bad), ErrorCode.INVALID_ACTION_MASK))
+    if part.transition.reward_assign_lengths is not None:
+        bad = checks.negative_lengths(jnp, part.transition)
+        rules.append((jnp.any(bad), ErrorCode.INVALID_REWARD_ASSIGN))
     code = checks.first_error(jnp, rules)
 
     def fill(buf_leaf):  # absent optional fields are written as zeros: no stale data

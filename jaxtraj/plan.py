@@ -54,7 +54,8 @@ class TrajectoryPlan:
         rule, ``EnvTransition.compute_rewards``). The default ``1.0`` adds the model's
         score to the environment's reward; the original system's default is ``0.0``
         (with a reward model, only the model's score counts): set it to ``0.0`` for that.
-      reward_model_weight: weight of ``EnvTransition.reward_model_output``.
+      reward_model_weight: weight of ``EnvTransition.reward_model_output``, also of a
+        delayed score assigned back to earlier chunks (``reward_assign_lengths``).
       queue_key: the queue key flushed rollout items are routed to.
       resend: a half received again (a worker restarted and re-sent it) is a
         duplicate and ``"reject"``-ed, or, with ``"accept_identical"``, accepted once

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jaxtraj.checks import check_reward_assign
 from jaxtraj.episode_stats import RunningEpisodes, episode_stats, init_running
 from jaxtraj.plan import TrajectoryPlan
 from jaxtraj.types import (
@@ -182,6 +183,7 @@ def init(
         sources = sources[0] if len(sources) == 1 else sources
     sources = jnp.asarray(sources, jnp.int32)
     chunk_size(policy_example.output.actions, env_example.transition, 1)  # K agrees
+    check_reward_assign(env_example.transition)  # a delayed score needs its score
     if sources.ndim == 1:
         return _init_one(plan, policy_example, env_example, sources, step_id)
     one = lambda src: _init_one(plan, policy_example, env_example, src, step_id)
@@ -221,10 +223,18 @@ def source_steps(
     plan: TrajectoryPlan, state: CollectorState, s: jax.Array | None = None
 ) -> TrajectoryStep:
     """Resolved steps of a source, leaves ``[E, T, B, ...]`` (``s`` selects the source of
-    a stacked state)."""
+    a stacked state): ``from_parts`` on the whole buffer, then the delayed reward-model
+    scores assigned back over the chunks (``EnvTransition.assign_history_rewards``)."""
     take = _take(state, s)
     step_type = plan.step_type or TrajectoryStep
-    return step_type.from_parts(take(state.policy), take(state.env), plan)
+    env = take(state.env)
+    steps = step_type.from_parts(take(state.policy), env, plan)
+    if env.transition.reward_assign_lengths is None:
+        return steps
+    # Delayed reward-model scores reach back over the chunks of the step (the T axis).
+    return steps.replace(rewards=env.transition.assign_history_rewards(
+        steps.rewards, reward_model_weight=plan.reward_model_weight, time_axis=1
+    ))
 
 
 def _take(state: CollectorState, s: jax.Array | None):

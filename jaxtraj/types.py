@@ -300,6 +300,13 @@ class EnvTransition:
         ending on the action flagged done; EnvPool's reset step (the step after a done,
         whose action is not executed) is ``False``. Slots that did not run carry zero
         rewards and false flags. See :meth:`owned_actions` for the rule.
+      reward_assign_lengths: ``[B]`` integer, a delayed reward-model score (the original
+        system's ``reward_assign_lengths``): the chunk's ``reward_model_output``, weighted
+        by the plan's ``reward_model_weight``, is also added to the rewards of the
+        ``length - 1`` chunks of that env before it in the same epoch of the training
+        step (a history longer than the chunks held is cut to them; ``0`` and ``1``
+        assign nothing back). Needs ``reward_model_output``; see
+        :meth:`assign_history_rewards`.
 
     The chunk-end rule. A chunk's decision owns its actions up to and including the
     first episode end in it; actions after that end are not part of its return (under
@@ -316,6 +323,7 @@ class EnvTransition:
     reward_model_output: Array | None = None
     success: Array | None = None
     valid_actions: Array | None = None
+    reward_assign_lengths: Array | None = None
 
     def ran_actions(self, rows_ndim: int = 1, xp: Any = jnp) -> Array | None:
         """``[..., K]`` bool: the actions that ran (``valid_actions``, else every action
@@ -488,6 +496,48 @@ class EnvTransition:
         return rewards + reward_model_weight * jnp.asarray(
             self.reward_model_output, jnp.result_type(rewards)
         )
+
+    def assign_history_rewards(
+        self, rewards: Array, *, reward_model_weight: float = 1.0, time_axis: int = 1
+    ) -> Array:
+        """Composed rewards with the delayed reward-model scores assigned back.
+
+        A transition of buffers (leaves ``[E, T, B(, K)]``, chunks on ``time_axis``):
+        where chunk ``t`` of row ``b`` carries ``reward_assign_lengths = L``, its
+        weighted score ``reward_model_weight * reward_model_output`` is added to the
+        rewards of chunks ``max(t - L + 1, 0) .. t - 1`` of that row (its own rewards
+        already hold it, :meth:`compute_rewards`); per action where the score is per
+        action. Every chunk of the training step carries rewards, so a history reaches
+        back at most to the epoch's first chunk. Actions that did not run
+        (``valid_actions``) get nothing. Memory: a ``[T, T, ..., B]`` mask.
+
+        Args:
+          rewards: the composed rewards (:meth:`compute_rewards`) of the buffers.
+          reward_model_weight: the plan's weight of the score.
+          time_axis: the chunks' axis of ``rewards`` (``1`` for ``[E, T, B]``).
+
+        Returns:
+          ``rewards`` with the history assigned, or ``rewards`` itself without
+          ``reward_assign_lengths``.
+        """
+        if self.reward_assign_lengths is None or rewards is None:
+            return rewards
+        rewards = jnp.asarray(rewards)
+        a = time_axis
+        lengths = jnp.moveaxis(jnp.asarray(self.reward_assign_lengths, jnp.int32), a, 0)
+        score = jnp.asarray(self.reward_model_output, rewards.dtype) * reward_model_weight
+        score = jnp.moveaxis(score, a, 0)  # [T, ..., B(, K)]
+        T = lengths.shape[0]
+        lengths = lengths.reshape(T, -1)  # [T, M]
+        src, dst = jnp.arange(T)[:, None, None], jnp.arange(T)[None, :, None]
+        # gets[s, d, m]: chunk d gets chunk s's score (d before s, within s's length)
+        gets = ((dst < src) & (src - dst < lengths[:, None])).astype(score.dtype)
+        per_row = score.reshape((T, lengths.shape[1], -1))  # [T, M, K or 1]
+        added = jnp.einsum("sdm,smk->dmk", gets, per_row, precision="highest")
+        added = jnp.moveaxis(added.reshape((T,) + score.shape[1:]), 0, a)
+        if self.valid_actions is not None and added.ndim == np.ndim(self.valid_actions):
+            added = jnp.where(jnp.asarray(self.valid_actions, bool), added, 0)
+        return rewards + added.astype(rewards.dtype)
 
 
 @struct.dataclass
