@@ -30,6 +30,7 @@ from jaxtraj.types import (
     Trajectory,
     TrajectoryStep,
     chunk_size,
+    model_flags,
     rlt_features,
 )
 
@@ -184,6 +185,9 @@ def init(
     sources = jnp.asarray(sources, jnp.int32)
     chunk_size(policy_example.output.actions, env_example.transition, 1)  # K agrees
     check_reward_assign(env_example.transition)  # a delayed score needs its score
+    flags = policy_example.output.intervene_flags
+    if flags is not None:  # model-side flags fit the action chunk (named if not)
+        model_flags(policy_example.output.actions, flags, env_example.transition)
     if sources.ndim == 1:
         return _init_one(plan, policy_example, env_example, sources, step_id)
     one = lambda src: _init_one(plan, policy_example, env_example, src, step_id)

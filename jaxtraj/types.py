@@ -780,7 +780,7 @@ class TrajectoryStep:
           CollectorError: ``STRUCTURE_MISMATCH`` naming ``PolicyOutput.intervene_flags``
             when they are not bool or do not fit the action chunk (at trace time).
         """
-        flags = _model_flags(self.actions, intervene_flags, transition)
+        flags = model_flags(self.actions, intervene_flags, transition)
         if self.intervene_flags is not None:
             flags = flags | self.intervene_flags
         return self.replace(intervene_flags=flags)
@@ -824,7 +824,7 @@ class TrajectoryStep:
         )
 
 
-def _model_flags(actions: Array, flags: Array, transition: EnvTransition | None) -> Array:
+def model_flags(actions: Array, flags: Array, transition: EnvTransition | None) -> Array:
     """Model-side flags ``[...]`` or ``[..., K]`` expanded to ``actions``' shape (see
     :meth:`TrajectoryStep.flag_interventions`); static shape and dtype checks."""
     s, f = tuple(np.shape(actions)), tuple(np.shape(flags))

@@ -396,12 +396,14 @@ def test_a_half_without_the_plans_flags_or_with_flags_the_plan_lacks():
 @pytest.mark.parametrize(
     "flags", [np.zeros((B, K), np.int32), np.zeros((B, K + 1), bool), np.zeros((B, 3), bool)]
 )
-def test_a_bad_example_is_named_at_the_flush(flags):
-    """An example whose flags are not bool or do not fit the action chunk: every part
-    matches it, and the step's resolution names the field (at trace time)."""
+def test_a_bad_example_is_named_at_init(flags):
+    """An example whose flags are not bool or do not fit the action chunk: refused when
+    the state is allocated, naming the field, before anything is collected."""
     ps = iparts(MODEL_K, flat=True)  # flat actions [B, K*A = 4]: [B, 3] does not split them
     ps = [p.replace(output=p.output.replace(intervene_flags=flags))
           if isinstance(p, PolicyPart) else p for p in ps]
     with pytest.raises(jaxtraj.CollectorError, match="PolicyOutput.intervene_flags") as info:
-        facade(PLAN, ps)
+        jaxtraj.init(PLAN, ps[0], ps[1])
     assert info.value.code == jaxtraj.ErrorCode.STRUCTURE_MISMATCH
+    with pytest.raises(jaxtraj.CollectorError, match="PolicyOutput.intervene_flags"):
+        jaxtraj.TrajectoryCollector(PLAN, ps[0], ps[1])
