@@ -1,12 +1,16 @@
 """Host simulators through the runners: environment steps per second against a plain
 hand-written loop over the same vector env, the same jitted policy and the same chunking.
 
-Two environments:
+Three environments:
 
 - ``hopper``: gymnasium Hopper-v5, ``gymnasium.make_vec(..., vectorization_mode="sync")``
-  through :class:`jaxtraj.envs.GymnasiumEnv`, B = 8 environments in all;
+  through :class:`jaxtraj.envs.GymnasiumEnv`, B = 8 environments in all (CPU-bound);
 - ``halfcheetah``: EnvPool HalfCheetah-v4 (host API) through
-  :class:`jaxtraj.envs.EnvPoolEnv`, B = 16.
+  :class:`jaxtraj.envs.EnvPoolEnv`, B = 16 (CPU-bound);
+- ``sleep1ms``: a latency-bound env, B = 8: a gymnasium ``SyncVectorEnv`` of sub-envs
+  whose every step sleeps 1 ms (a stand-in for a remote simulator or a robot's control
+  period; trivial dynamics, Hopper's shapes, 200-step episodes), through
+  :class:`~jaxtraj.envs.GymnasiumEnv`. A vector env of ``n`` steps in ``n`` ms.
 
 Every configuration runs the same jitted MLP Gaussian policy (2 x 64, tanh: an action
 chunk ``[B, K, A]``, its log-probabilities ``[B, K]``, a value ``[B]``), a separate jitted
@@ -22,9 +26,15 @@ episode), ``K = 4`` actions per chunk, ``T = 16`` chunks per training step, ``E 
   every chunk (rollout mode, flushed each step), to isolate the collector's cost;
 - ``b``: :class:`~jaxtraj.runners.threads.AsyncRunner`, two env ranks (two vector envs
   of B/2 each), ``value_fn`` on the policy side, ``run(num_steps=1)`` per training step;
+  one ``policy_fn`` call serves both ranks (B rows, as the hand loop's);
+- ``b4``: the same with four env ranks of B/4 (``sleep1ms`` only);
 - ``c``: :class:`~jaxtraj.runners.threads.DecoupledRunner`, the same setup;
 - ``d``: :class:`~jaxtraj.runners.ray.RayRunner`, two actors (each builds its adapter),
-  policy and ``value_fn`` in the learner; ``ray.init(num_cpus=2, ...)``;
+  policy and ``value_fn`` in the learner, one inference for the ranks whose observation
+  is in; ``ray.init(num_cpus=2, ...)``;
+- ``d_actor``: the same with the policy in the actors (``policy="actor"``, two calls of
+  four chunks in flight per actor);
+- ``d4``: ``d`` with four actors of B/4 (``sleep1ms`` only; half a CPU each);
 - ``a_1core``, ``b_1core``: ``a`` and ``b`` with every thread of this process pinned to
   one CPU (``os.sched_setaffinity``): what overlapping two ranks' env work with inference
   buys with a second core (not ``--quick``).
@@ -38,6 +48,11 @@ waiting for the GIL).
 
 ``--camera`` adds each environment again with a drawn 64x64x3 uint8 image in the
 observation (a few pixels set from the state: MuJoCo cannot render here).
+
+Targets (issue 26), each printed as met or missed with the measured median ratio and the
+machine: ``b`` at least 1.0x ``a`` on ``hopper`` and ``halfcheetah``; on ``sleep1ms``
+``b`` at least 1.8x ``a``, ``b4`` at least 3.4x and ``d4`` at least 3x; ``d`` at least
+0.9x ``b`` on ``hopper`` (the ratio per round of the two, measured side by side).
 
     python benchmarks/host_env.py [--quick] [--camera] [--rounds 11] [--steps 4]
 
@@ -76,6 +91,7 @@ from jaxtraj import (  # noqa: E402
     TrajectorySource,
 )
 from jaxtraj.envs import EnvPoolEnv, EnvSpec, GymnasiumEnv, check_spec, example_parts  # noqa: E402
+from jaxtraj.runners.service import key_rngs  # noqa: E402
 from jaxtraj.runners.threads import AsyncRunner, DecoupledRunner, EnvStep  # noqa: E402
 
 K, T, E, HIDDEN = 4, 16, 1, 64
@@ -85,16 +101,36 @@ f32 = jnp.float32
 ENVS = {
     "hopper": dict(kind="gymnasium", task="Hopper-v5", B=8),
     "halfcheetah": dict(kind="envpool", task="HalfCheetah-v4", B=16),
+    "sleep1ms": dict(kind="sleep", task="Sleep1ms", B=8),
 }
-CONFIGS = ["a", "a_adapter", "a_collector", "b", "c", "d", "a_1core", "b_1core", "a_null", "b_null"]
+CONFIGS = [
+    "a", "a_adapter", "a_collector", "b", "b4", "c", "d", "d_actor", "d4", "a_1core", "b_1core",
+    "a_null", "b_null",
+]
+ONLY = {"b4": {"sleep1ms"}, "d4": {"sleep1ms"}}  # configurations measured on some envs only
+# On the latency-bound env: what is measured is overlap (the rest is the CPU-bound envs').
+SLEEP_CONFIGS = {"a", "b", "b4", "d", "d4"}
+RANKS = {"b4": 4, "d4": 4}
+# (env, configuration, reference configuration, the least ratio): issue 26's targets.
+TARGETS = [
+    ("hopper", "b", "a", 1.0),
+    ("halfcheetah", "b", "a", 1.0),
+    ("sleep1ms", "b", "a", 1.8),
+    ("sleep1ms", "b4", "a", 3.4),
+    ("hopper", "d", "b", 0.9),
+    ("sleep1ms", "d4", "a", 3.0),
+]
 REF = {"b_1core": "a_1core", "b_null": "a_null"}  # a second ratio, to a like-for-like (a)
 LABELS = {
     "a": "(a) hand loop, 1 vector env (floor)",
     "a_adapter": "(a) hand loop over the adapter",
     "a_collector": "(a') hand loop + collector.add",
     "b": "(b) AsyncRunner, 2 ranks",
+    "b4": "(b4) AsyncRunner, 4 ranks",
     "c": "(c) DecoupledRunner, 2 ranks",
     "d": "(d) RayRunner, 2 actors",
+    "d_actor": "(d) RayRunner, 2 actors, policy in the actors",
+    "d4": "(d4) RayRunner, 4 actors",
     "a_1core": "(a) on 1 core",
     "b_1core": "(b) on 1 core",
     "a_null": "(a) over an instant env (no simulation)",
@@ -148,7 +184,38 @@ class CameraEnv:
         self.env.close()
 
 
+SLEEP_S, SLEEP_OBS, SLEEP_ACT, SLEEP_STEPS = 0.001, 11, 3, 200
+
+
+def sleep_env():
+    """One latency-bound gymnasium env: every step sleeps 1 ms (a remote simulator, a
+    robot's control period); the state drifts with the action, 200-step episodes."""
+    import gymnasium
+    from gymnasium.wrappers import TimeLimit
+
+    class Sleep1ms(gymnasium.Env):
+        observation_space = gymnasium.spaces.Box(-np.inf, np.inf, (SLEEP_OBS,), np.float32)
+        action_space = gymnasium.spaces.Box(-1.0, 1.0, (SLEEP_ACT,), np.float32)
+
+        def reset(self, *, seed=None, options=None):
+            super().reset(seed=seed)
+            self.x = self.np_random.normal(size=SLEEP_OBS).astype(np.float32)
+            return self.x.copy(), {}
+
+        def step(self, action):
+            time.sleep(SLEEP_S)
+            a = np.asarray(action, np.float32)
+            self.x = (0.99 * self.x + 0.01 * np.resize(a, SLEEP_OBS)).astype(np.float32)
+            return self.x.copy(), float(-np.square(self.x).sum()), False, False, {}
+
+    return TimeLimit(Sleep1ms(), SLEEP_STEPS)
+
+
 def make_raw(kind: str, task: str, n: int, seed: int):
+    if kind == "sleep":
+        import gymnasium
+
+        return gymnasium.vector.SyncVectorEnv([sleep_env] * n)
     if kind == "gymnasium":
         import gymnasium
 
@@ -171,7 +238,7 @@ class EnvFactory:
     def __call__(self, rank: int = 0):
         seed = self.seed + 1000 * rank
         raw = make_raw(self.kind, self.task, self.n, seed)
-        if self.kind == "gymnasium":
+        if self.kind in ("gymnasium", "sleep"):
             env = GymnasiumEnv(raw, actions_per_chunk=K, seed=seed)
         else:
             env = EnvPoolEnv(raw, actions_per_chunk=K)
@@ -219,7 +286,7 @@ class RawLoopEnv:
 
     def __init__(self, kind, task, n, seed):
         self.kind, self.raw = kind, make_raw(kind, task, n, seed)
-        if kind == "gymnasium":
+        if kind in ("gymnasium", "sleep"):
             obs, _ = self.raw.reset(seed=seed)
             self.act_dtype = np.float32
         else:
@@ -234,7 +301,7 @@ class RawLoopEnv:
         last = obs = np.asarray(raw, np.float32)
         done = term | trunc
         if done.any():
-            if self.kind == "gymnasium":
+            if self.kind in ("gymnasium", "sleep"):
                 fresh, _ = self.raw.reset(options={"reset_mask": done})
                 obs = np.asarray(fresh, np.float32)
             else:
@@ -284,7 +351,7 @@ def make_policy(obs_dim: int, A: int, camera: bool):
         B = x.shape[0]
         mean = mlp(params["actor"], x).reshape(B, K, A)
         log_std = params["log_std"]
-        noise = jax.random.normal(rng, mean.shape, f32)
+        noise = jax.vmap(lambda k: jax.random.normal(k, (K, A), f32))(rng)  # a key per row
         logp = (-0.5 * noise**2 - log_std - f32(0.5 * np.log(2 * np.pi))).sum(-1)
         return PolicyOutput(
             actions=mean + jnp.exp(log_std) * noise,
@@ -294,6 +361,11 @@ def make_policy(obs_dim: int, A: int, camera: bool):
         )
 
     return init, jax.jit(policy), jax.jit(value)
+
+
+def row_keys_spec(rows: int) -> jax.ShapeDtypeStruct:
+    """The ``rng`` argument of a policy call of ``rows`` rows: a PRNG key per row."""
+    return jax.ShapeDtypeStruct((rows, 2), np.uint32)
 
 
 # --------------------------------------------------------------------------- timing
@@ -386,7 +458,7 @@ class HandLoop:
                     truncations=flags,
                 ),
             )
-            out = jax.eval_shape(policy_fn, params, obs_spec, jax.random.PRNGKey(0))
+            out = jax.eval_shape(policy_fn, params, obs_spec, row_keys_spec(B))
             self.collector = jaxtraj.TrajectoryCollector(plan, *example_parts(env_spec, plan, out))
             self.timer = CollectorTimer(self.collector)
         self.base_rng = jax.random.PRNGKey(7)
@@ -396,11 +468,13 @@ class HandLoop:
 
     def train_step(self):
         B, params, col = self.B, self.params, self.collector
-        rngs = np.asarray(jax.random.split(jax.random.fold_in(self.base_rng, self.step_id), T))
+        # The runners' row keys (one device call per training step, as theirs).
+        keys = [TrajectoryKey(self.step_id, 0, 0, 0, t) for t in range(T)]
+        rngs = key_rngs(7, keys, B)
         for t in range(T):
             key = TrajectoryKey(self.step_id, 0, 0, 0, t)
             obs = self.obs if self.adapter is not None else self._obs(self.env.obs)
-            out = self.policy_fn(params, obs, rngs[t])
+            out = self.policy_fn(params, obs, rngs[key.as_tuple()])
             if col is not None:
                 out = jax.tree.map(np.asarray, out)
                 out = out.replace(versions=np.zeros((B,), np.int32))
@@ -450,30 +524,38 @@ class HandLoop:
 
 
 class Runner:
-    """Configurations b / c / d: a runner over two env ranks of B/2, run(num_steps=1) per
-    training step."""
+    """Configurations b / b4 / c / d / d_actor / d4: a runner over ``ranks`` env ranks of
+    B / ranks each, run(num_steps=1) per training step."""
 
-    def __init__(self, which, spec, B, params, policy_fn, value_fn, camera, seed, null=None):
-        half = B // 2
-        factory = EnvFactory(spec["kind"], spec["task"], half, seed, camera)
-        plan = TrajectoryPlan(num_chunks=T, num_epochs=E, batch_size=half, num_env_ranks=2)
-        probe = factory(0) if which == "d" else None
-        envs = [factory(r) for r in range(2)] if which != "d" else None
+    def __init__(
+        self, which, spec, B, params, policy_fn, value_fn, camera, seed, null=None, ranks=2
+    ):
+        part = B // ranks
+        factory = EnvFactory(spec["kind"], spec["task"], part, seed, camera)
+        plan = TrajectoryPlan(num_chunks=T, num_epochs=E, batch_size=part, num_env_ranks=ranks)
+        ray_runner = which.startswith("d")
+        probe = factory(0) if ray_runner else None
+        envs = [factory(r) for r in range(ranks)] if not ray_runner else None
         if null is not None:
-            envs = [NullEnv(null, camera) for _ in range(2)]
+            envs = [NullEnv(null, camera) for _ in range(ranks)]
         spec_env = probe if probe is not None else envs[0]
-        out = jax.eval_shape(policy_fn, params, spec_env.spec().obs, jax.random.PRNGKey(0))
+        out = jax.eval_shape(policy_fn, params, spec_env.spec().obs, row_keys_spec(part))
         self.collector = jaxtraj.TrajectoryCollector(plan, *example_parts(spec_env, plan, out))
         self.timer = CollectorTimer(self.collector)
-        if which == "d":
+        if ray_runner:
             probe.close()
             from jaxtraj.runners.ray import RayRunner
 
+            opts = {}
+            if which == "d_actor":
+                opts = dict(policy="actor", chunks_per_call=4, max_in_flight=2)
+            if ranks > 2:  # ray.init(num_cpus=2): the actors share the two CPUs
+                opts["actor_options"] = {"num_cpus": 2 / ranks}
             self.runner = RayRunner(
-                self.collector, factory, policy_fn, params, value_fn=value_fn, seed=seed
+                self.collector, factory, policy_fn, params, value_fn=value_fn, seed=seed, **opts
             )
         else:
-            cls = AsyncRunner if which == "b" else DecoupledRunner
+            cls = DecoupledRunner if which == "c" else AsyncRunner
             self.runner = cls(self.collector, envs, policy_fn, params, value_fn=value_fn, seed=seed)
         self.items = 0
 
@@ -518,7 +600,7 @@ def bench_env(name, spec, configs, rounds, steps, camera, seed=0):
         elif base == "a_collector":
             made[c] = HandLoop(spec, B, collector=True, obs_dim=obs_dim, A=A, **common)
         else:
-            made[c] = Runner(base, spec, B, **common)
+            made[c] = Runner(base, spec, B, ranks=RANKS.get(base, 2), **common)
         made[base] = made[c]
     # Warm-up: compiles (both policy batch shapes), actor start-up, first flushes.
     for c in configs:
@@ -591,6 +673,49 @@ def bench_env(name, spec, configs, rounds, steps, camera, seed=0):
     return res
 
 
+def env_configs(name: str, configs: list[str]) -> list[str]:
+    """The configurations measured on env ``name``: the latency-bound env measures
+    overlap (hand loop, thread and Ray runners), ``b4`` / ``d4`` run only there."""
+    base = name.split("_camera")[0]
+    out = [c for c in configs if base in ONLY.get(c, {base})]
+    if base == "sleep1ms":
+        out = [c for c in out if c in SLEEP_CONFIGS]
+    return out
+
+
+def targets(results: dict, machine_line: str) -> list[dict]:
+    """Issue 26's targets: each the median over rounds of the per-round ratio of a
+    configuration to its reference, measured side by side; met or missed."""
+    out = []
+    for env, c, ref, least in TARGETS:
+        cfg = results.get(env, {}).get("configs", {})
+        entry = {"env": env, "config": c, "reference": ref, "target": least,
+                 "machine": machine_line}
+        if c not in cfg or ref not in cfg:
+            entry.update(ratio=None, status="not measured")
+        else:
+            per_round = [x / y for x, y in zip(cfg[c]["steps_per_s"], cfg[ref]["steps_per_s"])]
+            ratio = statistics.median(per_round)
+            entry.update(
+                ratio=ratio, ratio_per_round=per_round,
+                status="met" if ratio >= least else "missed",
+            )
+        out.append(entry)
+    return out
+
+
+def targets_table(rows: list[dict]) -> str:
+    lines = ["| env | configuration | against | target | measured | status |",
+             "|---|---|---|---:|---:|---|"]
+    for t in rows:
+        got = "-" if t["ratio"] is None else f"{t['ratio']:.2f}x"
+        lines.append(
+            f"| {t['env']} | {LABELS[t['config']]} | {LABELS[t['reference']]} | "
+            f">= {t['target']:.1f}x | {got} | {t['status']} |"
+        )
+    return "\n".join(lines)
+
+
 def cores_line(res) -> str:
     """One line: what the runners gain from a second core (b against a, 1 vs 2 cores)."""
     cfg = res["configs"]
@@ -649,7 +774,7 @@ def main():
     default = [c for c in CONFIGS if not (args.quick and c.endswith("_1core"))]
     configs = args.configs.split(",") if args.configs else default
     assert configs[0] == "a" and set(configs) <= set(CONFIGS), configs
-    if "d" in configs:
+    if any(c.startswith("d") for c in configs):
         import ray
 
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -662,8 +787,9 @@ def main():
     for name, camera in cases:
         key = name + ("_camera" if camera else "")
         print(f"{key}: {ENVS[name]['task']} B={ENVS[name]['B']}", flush=True)
-        results[key] = bench_env(key, ENVS[name], configs, rounds, steps, camera)
-    if "d" in configs:
+        results[key] = bench_env(key, ENVS[name], env_configs(key, configs), rounds, steps,
+                                 camera)
+    if any(c.startswith("d") for c in configs):
         ray.shutdown()
     out = {
         "benchmark": "host_env",
@@ -679,16 +805,22 @@ def main():
         "load_average_1min": [load_start[0], os.getloadavg()[0]],
         "results": results,
     }
+    m = out["machine"]
+    machine_line = (
+        f"{m['cpu_model']}, {m['cpu_count']} CPUs, jax {m['jax']} ({out['jax_backend']})"
+    )
+    out["targets"] = targets(results, machine_line)
     path = pathlib.Path(args.out)
     path.parent.mkdir(exist_ok=True)
     path.write_text(json.dumps(out, indent=2) + "\n")
-    m = out["machine"]
     print(
-        f"\n{m['cpu_model']}, {m['cpu_count']} CPUs, jax {m['jax']} ({out['jax_backend']}); "
+        f"\n{machine_line}; "
         f"medians of {rounds} alternating rounds of {steps} training steps; 1-min load "
         f"average {out['load_average_1min'][0]:.1f} -> {out['load_average_1min'][1]:.1f}"
     )
     print(table(results))
+    print(f"\nTargets (issue 26) on {machine_line}:\n")
+    print(targets_table(out["targets"]))
     print(f"\nwrote {path} ({out['seconds']:.0f} s)")
 
 

@@ -122,9 +122,9 @@ def make_policy(K: int, obs_dim: int = OBS, actions: int = A):
     def value_fn(params, obs):
         return mlp(params["critic"], obs)[:, 0]
 
-    def policy_fn(params, obs, key):
+    def policy_fn(params, obs, rng):  # rng [B, 2]: a PRNG key per row
         mean = mlp(params["actor"], obs).reshape(obs.shape[0], K, actions)
-        noise = jax.random.normal(key, mean.shape, f32)
+        noise = jax.vmap(lambda k: jax.random.normal(k, (K, actions), f32))(rng)
         return PolicyOutput(
             actions=mean + noise,
             prev_logprobs=-0.5 * noise**2 - f32(0.5 * np.log(2 * np.pi)),

@@ -24,7 +24,7 @@ from collect_rollout import OBS, A, K, env_reset, env_step_chunk, observe, polic
 
 import jaxtraj
 from jaxtraj import EnvTransition, PolicyOutput, TrajectoryKey
-from jaxtraj.runners.threads import AsyncRunner, DecoupledRunner, EnvStep, key_rng
+from jaxtraj.runners.threads import AsyncRunner, DecoupledRunner, EnvStep, key_rng, row_rngs
 
 B, T = 8, 6
 
@@ -59,6 +59,8 @@ def rank_seed(rank):
 
 
 def policy_fn(params, obs, rng):
+    """``obs`` rows ``[N, ...]`` of one or several env ranks (the runner joins every
+    ready rank's into one call), ``rng [N, 2]``: a PRNG key per row."""
     actions, logp, value = policy(params, jnp.asarray(obs["state"]), rng)
     return PolicyOutput(
         actions=np.asarray(actions),
@@ -82,7 +84,7 @@ def main():
     # One example of each half fixes the collector's buffers.
     env, key = PointMass(0, params), TrajectoryKey(0, 0, 0, 0, 0)
     obs = env.reset()
-    out = policy_fn(params, obs, key_rng(0, key))
+    out = policy_fn(params, obs, row_rngs(key_rng(0, key), B))
     step = env.step(key, out.actions)
     src = jaxtraj.TrajectorySource(key, B, 0)
     collector = jaxtraj.TrajectoryCollector(

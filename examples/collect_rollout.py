@@ -74,9 +74,11 @@ def env_step_chunk(state, actions, rng):
 
 @jax.jit
 def policy(params, obs, rng):
-    """A linear-Gaussian chunk policy with a linear critic."""
+    """A linear-Gaussian chunk policy with a linear critic: ``obs [N, OBS]``, ``rng
+    [N, 2]`` (a PRNG key per row: each row's noise is drawn from its own key, so a
+    row's sample does not depend on which rows share the call)."""
     mean = (obs @ params["w"]).reshape(obs.shape[0], K, A)
-    noise = jax.random.normal(rng, mean.shape) * 0.3
+    noise = jax.vmap(lambda k: jax.random.normal(k, (K, A)))(rng) * 0.3
     actions = mean + noise
     logp = -0.5 * (noise / 0.3) ** 2 - jnp.log(0.3 * jnp.sqrt(2 * jnp.pi))
     value = obs @ params["v"]
@@ -99,7 +101,7 @@ def run_chunk(params, state, rng, key, initial_flags, per_action_obs=False):
     B = state["t"].shape[0]
     obs = observe(state)
     rng, k1, k2 = jax.random.split(rng, 3)
-    actions, logp, value = policy(params, obs, k1)
+    actions, logp, value = policy(params, obs, jax.random.split(k1, B))  # a key per row
     fields = dict(zip(("step_id", "epoch_id", "env_rank", "stage_id", "chunk_id"), key.fields()))
     policy_part = PolicyPart.at(
         **fields,

@@ -65,7 +65,9 @@ def log_prob(mean, log_std, actions):  # per action element
 @jax.jit
 def _sample(params, obs, rng):
     mean, log_std, value = model.apply(params, obs)
-    actions = mean + jnp.exp(log_std) * jax.random.normal(rng, mean.shape)
+    # rng [N, 2]: a PRNG key per row; each row's noise from its own key.
+    noise = jax.vmap(lambda k: jax.random.normal(k, mean.shape[1:]))(rng)
+    actions = mean + jnp.exp(log_std) * noise
     return actions, log_prob(mean, log_std, actions), value
 
 
@@ -142,7 +144,7 @@ def main(argv=None):
     # Example halves from the adapter's spec and one policy output (on zeros): the env
     # does not run.
     zeros = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), envs[0].spec().obs)
-    out = policy_fn(params, zeros, jax.random.PRNGKey(0))
+    out = policy_fn(params, zeros, jax.random.split(jax.random.PRNGKey(0), args.envs))
     collector = jaxtraj.TrajectoryCollector(plan, *example_parts(envs[0], plan, out))
     runner = AsyncRunner(collector, envs, policy_fn, params, value_fn=value_fn)
     optimizer = optax.adam(args.lr)

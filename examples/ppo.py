@@ -166,11 +166,12 @@ def make_model(K: int, A: int, value_scale: float = 1.0, in_scale=(1.0, 1.0, 1.0
         z = (actions - mean) * jnp.exp(-log_std)
         return -0.5 * z**2 - log_std - 0.5 * LOG_2PI
 
-    def policy_fn(params, obs, key):
+    def policy_fn(params, obs, rng):  # rng [B, 2]: a PRNG key per row
         B = obs.shape[0]
         mean = actor.apply(params["actor"], prep(params, obs)).reshape(B, K, A)
         std = jnp.exp(params["log_std"]).reshape(1, K, A)
-        actions = mean + std * jax.random.normal(key, mean.shape, f32)
+        noise = jax.vmap(lambda k: jax.random.normal(k, (K, A), f32))(rng)
+        actions = mean + std * noise
         return PolicyOutput(
             actions=actions,
             prev_logprobs=log_prob(params, obs, actions),

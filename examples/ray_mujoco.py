@@ -85,7 +85,8 @@ def log_prob(params, obs, actions):
 def sample(params, obs, rng):
     mean = mean_action(params, obs)
     std = jnp.exp(params["log_std"]).reshape(K, ACT)
-    actions = mean + std * jax.random.normal(rng, mean.shape)
+    # rng [N, 2]: a PRNG key per row; each row's noise from its own key.
+    actions = mean + std * jax.vmap(lambda k: jax.random.normal(k, (K, ACT)))(rng)
     return actions, log_prob(params, obs, actions)
 
 
@@ -154,7 +155,7 @@ def main():
     params = init_params(jax.random.PRNGKey(0))
     with make_env(0, args.envs) as env:  # its spec: the collector's example halves
         zeros = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), env.spec().obs)
-        out = policy_fn(params, zeros, jax.random.PRNGKey(0))
+        out = policy_fn(params, zeros, jax.random.split(jax.random.PRNGKey(0), args.envs))
         collector = jaxtraj.TrajectoryCollector(plan, *example_parts(env, plan, out))
     optimizer = optax.adam(args.lr)
     opt_state = optimizer.init(params)

@@ -25,9 +25,10 @@ env, env_params = gymnax.make("Pendulum-v1")
 
 
 def policy_fn(params, obs, rng):
-    """A linear Gaussian over the whole chunk: actions [B, K, 1]."""
+    """A linear Gaussian over the whole chunk: actions [B, K, 1]; ``rng [B, 2]``, a
+    PRNG key per row (each row's noise from its own key)."""
     mean = (obs @ params["w"]).reshape(-1, K, 1)
-    noise = 0.5 * jax.random.normal(rng, mean.shape)
+    noise = 0.5 * jax.vmap(lambda k: jax.random.normal(k, (K, 1)))(rng)
     logp = -0.5 * (noise / 0.5) ** 2 - jnp.log(0.5 * jnp.sqrt(2 * jnp.pi))
     return PolicyOutput(actions=mean + noise, prev_logprobs=logp, prev_values=value_fn(params, obs))
 

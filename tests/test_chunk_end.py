@@ -379,7 +379,7 @@ def _gymnax_reference(env, env_params, policy_fn, value_fn, params, carry, n_epo
     chunks = []
     for _ in range(n_epochs * n_chunks):
         rng, k_pol, k_env = jax.random.split(rng, 3)
-        po = policy(params, jnp.asarray(np.stack(obs)), k_pol)
+        po = policy(params, jnp.asarray(np.stack(obs)), jax.random.split(k_pol, Bn))
         actions = np.asarray(po.actions)
         Kn = actions.shape[1]
         keys = [jax.random.split(jax.random.fold_in(k_env, k), Bn) for k in range(Kn)]
@@ -422,12 +422,13 @@ def _cartpole():
 
 
 def _cartpole_policy(k):
-    def policy_fn(params, obs, key):
+    def policy_fn(params, obs, rng):  # rng [n, 2]: a PRNG key per row
         n = obs.shape[0]
         # Row b pushes right with probability 1, 0.9, 0.8, 0.5: the biased rows fall
         # (terminations at varied lengths), the fair one mostly hits the time limit.
         push = jnp.asarray([1.0, 0.9, 0.8, 0.5], jnp.float32)[:n, None]
-        actions = (jax.random.uniform(key, (n, k)) < push).astype(jnp.int32)
+        draws = jax.vmap(lambda r: jax.random.uniform(r, (k,)))(rng)
+        actions = (draws < push).astype(jnp.int32)
         return PolicyOutput(
             actions=actions,
             prev_logprobs=jnp.zeros((n, k), jnp.float32),
@@ -501,7 +502,8 @@ def test_sync_runner_continue_is_unchanged_and_modes_are_checked(standard_promot
     params = jnp.linspace(-1.0, 1.0, 4, dtype=jnp.float32)
     policy_fn, value_fn = _cartpole_policy(k), (lambda p, obs: obs @ p)
     carry = sync.reset(env, env_params, jax.random.PRNGKey(11), Bn, k)
-    actions = policy_fn(params, carry.obs, jax.random.PRNGKey(0)).actions
+    rows = jax.random.split(jax.random.PRNGKey(0), carry.obs.shape[0])
+    actions = policy_fn(params, carry.obs, rows).actions
     rng = jax.random.PRNGKey(4)
     outs = {
         mode: sync.step_chunk(env, env_params, carry.env_state, carry.obs, actions, rng,

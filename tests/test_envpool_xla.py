@@ -102,8 +102,8 @@ def _check_collect(make_pool):
         "v": jax.random.normal(jax.random.PRNGKey(2), (OBS,), f32),
     }
 
-    def policy_fn(params, obs, key):
-        noise = jax.random.normal(key, (obs.shape[0], K, ACT), f32)
+    def policy_fn(params, obs, rng):  # rng [B, 2]: a PRNG key per row
+        noise = jax.vmap(lambda r: jax.random.normal(r, (K, ACT), f32))(rng)
         mean = jnp.tanh(obs @ params["w"]).reshape(noise.shape)
         # On a grid of 1/8: the host loop's actions are the same numbers, not within an ulp.
         actions = jnp.round(8 * (mean + noise)) / 8
@@ -150,7 +150,7 @@ def _check_collect(make_pool):
         d0.append(flags)
         for _t in range(T):
             rng, k_pol, _k_env = jax.random.split(rng, 3)
-            po = pol(params, jnp.asarray(obs), k_pol)
+            po = pol(params, jnp.asarray(obs), jax.random.split(k_pol, B))
             ref["obs"].append(obs)
             ref["actions"].append(np.asarray(po.actions))
             ref["logp"].append(np.asarray(po.prev_logprobs))

@@ -62,9 +62,11 @@ class PointEnv:
         snapshots=True,
         hang_at=None,
         critic=True,
+        delay_s=0.0,
     ):
         self.rank, self.die_at, self.marker, self.raise_at = rank, die_at, marker, raise_at
-        self.hang_at, self.critic = hang_at, critic
+        self.hang_at, self.critic, self.delay_s = hang_at, critic, delay_s
+        self.rand = np.random.default_rng(rank)  # simulator delays only
         if snapshots:
             self.get_state = lambda: (self.pos.copy(), self.t.copy())
             self.set_state = self._set_state
@@ -92,6 +94,8 @@ class PointEnv:
             time.sleep(600)  # a hung simulator: alive, silent
         if key.as_tuple() == self.raise_at:
             raise RuntimeError("simulator crashed")
+        if self.delay_s:
+            time.sleep(self.rand.uniform(0, self.delay_s))
         rng = np.random.default_rng([SEED + 1, *(int(v) for v in key.fields())])
         noise = rng.normal(size=(B, OBS)).astype(np.float32)
         self.pos = self.pos + 0.1 * np.asarray(actions).mean(axis=1)[:, :OBS] + 0.01 * noise
@@ -122,7 +126,7 @@ def value_fn(params, obs):
 def policy_fn(params, obs, rng):
     s = jnp.asarray(obs["state"])
     mean = (s @ params["w"]).reshape(-1, K, A)
-    noise = jax.random.normal(rng, mean.shape)
+    noise = jax.vmap(lambda k: jax.random.normal(k, (K, A)))(jnp.asarray(rng))  # key per row
     return PolicyOutput(
         actions=np.asarray(mean + 0.1 * noise),
         prev_logprobs=np.asarray(-0.5 * jnp.square(noise)),
@@ -136,7 +140,7 @@ def make_collector(**plan_kw):
     key = TrajectoryKey(0, 0, 0, 0, 0)
     env = PointEnv(0)
     obs = env.reset()
-    out = policy_fn(PARAMS, obs, jax.random.PRNGKey(0))
+    out = policy_fn(PARAMS, obs, jax.random.split(jax.random.PRNGKey(0), B))
     st = env.step(key, out.actions)
     src = jaxtraj.TrajectorySource(key, B, 0)
     p = jaxtraj.PolicyPart(src, obs, out)
@@ -175,20 +179,28 @@ def ray_instance():
         os.environ["PYTHONPATH"] = old
 
 
-@pytest.fixture(scope="module")
-def reference():
-    """The threaded runner's trajectories for the same envs, policy and seeds."""
+def threaded(**kw):
     runner = AsyncRunner(
-        make_collector(),
-        [PointEnv(r) for r in range(RANKS)],
-        policy_fn,
-        PARAMS,
-        num_steps=STEPS,
-        seed=SEED,
+        make_collector(), [PointEnv(r) for r in range(RANKS)], policy_fn, PARAMS,
+        num_steps=STEPS, seed=SEED, **kw
     )
     ref = by_source(runner.run())
     assert sorted(ref) == [(s, r) for s in range(STEPS) for r in range(RANKS)]
     return ref
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The threaded runner's trajectories for the same envs, policy and seeds (one
+    policy call for both ranks' rows, as the Ray runner's learner makes)."""
+    return threaded()
+
+
+@pytest.fixture(scope="module")
+def reference_per_rank():
+    """The threaded runner's with one policy call per rank's chunk (max_batch=1), what
+    the Ray actors compute with policy="actor"."""
+    return threaded(max_batch=1)
 
 
 def ray_runner(collector, env_fn=PointEnv, **kw):
@@ -203,10 +215,36 @@ def ray_runner(collector, env_fn=PointEnv, **kw):
     [{}, {"policy": "actor", "chunks_per_call": 2, "max_in_flight": 2}],
     ids=["policy_in_learner", "policy_in_actors_batched"],
 )
-def test_ray_runner_equals_threaded_runner(ray_instance, reference, options):
+def test_ray_runner_equals_threaded_runner(ray_instance, reference, reference_per_rank, options):
+    ref = reference_per_rank if options else reference
     with ray_runner(make_collector(), **options) as runner:
         got = by_source(runner.run())
-    assert sorted(got) == sorted(reference)
+    assert sorted(got) == sorted(ref)
+    for k in ref:
+        assert_same(got[k], ref[k])
+
+
+def test_learner_inference_is_batched_and_bit_identical_whatever_the_batching(
+    ray_instance, reference
+):
+    """One policy call for every rank whose observation is in: always (a long wait),
+    rarely (no wait, random simulator delays), across run(num_steps=1) calls: the
+    threaded runner's trajectories every time."""
+    chunks = STEPS * E * T
+    slow = functools.partial(PointEnv, delay_s=0.01)
+    for env_fn, wait, calls in ((PointEnv, 5.0, chunks), (slow, 0.0, None)):
+        with ray_runner(make_collector(), env_fn, batch_wait_s=wait) as runner:
+            got = by_source(runner.run())
+            if calls is None:
+                assert runner.calls > chunks  # some calls served one rank
+            else:
+                assert runner.calls == calls  # one per chunk index
+        for k in reference:
+            assert_same(got[k], reference[k])
+    got = {}
+    with ray_runner(make_collector(), slow, num_steps=1, batch_wait_s=0.0) as runner:
+        for _ in range(STEPS):
+            got.update(by_source(runner.run()))
     for k in reference:
         assert_same(got[k], reference[k])
 
@@ -215,8 +253,9 @@ def test_ray_runner_equals_threaded_runner(ray_instance, reference, options):
     "policy,snapshots", [("learner", True), ("actor", False)], ids=["snapshot", "replay"]
 )
 def test_killed_worker_is_restarted_and_the_step_is_bit_identical(
-    ray_instance, reference, tmp_path, policy, snapshots
+    ray_instance, reference, reference_per_rank, tmp_path, policy, snapshots
 ):
+    reference = reference if policy == "learner" else reference_per_rank
     die_at = (1, 0, 1, 0, 1)  # step 1, epoch 0, rank 1, chunk 1: mid-step
     marker = str(tmp_path / "died")
     env_fn = functools.partial(_env_dying_once, die_at=die_at, marker=marker, snapshots=snapshots)
@@ -342,8 +381,9 @@ def test_import_without_ray_says_which_extra(monkeypatch):
     ids=["value_in_learner", "value_in_actors"],
 )
 def test_terminal_inference_on_the_policy_side_env_actors_need_no_critic(
-    ray_instance, reference, options
+    ray_instance, reference, reference_per_rank, options
 ):
+    reference = reference_per_rank if options else reference
     # The reference (env critic) truncates mid-epoch and bootstraps the last chunk.
     assert any(np.asarray(tr.truncations)[:, 1:-1].any() for tr in reference.values())
     env_fn = functools.partial(PointEnv, critic=False)

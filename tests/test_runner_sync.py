@@ -57,9 +57,10 @@ class RandomWalk:
         return obs, state, reward, terminated, truncated, info
 
 
-def policy_fn(params, obs, key):
+def policy_fn(params, obs, rng):
+    """``rng [B, 2]``: a PRNG key per row (the runners' policy signature)."""
     mean = jnp.tanh(obs @ params["w"]).reshape(obs.shape[0], K, A)
-    noise = jax.random.normal(key, mean.shape)
+    noise = jax.vmap(lambda k: jax.random.normal(k, (K, A)))(rng)
     return PolicyOutput(
         actions=mean + 0.5 * noise,
         prev_logprobs=-0.5 * noise**2,
@@ -90,7 +91,7 @@ def reference(env, env_params, params, carry, step_id=0):
         out["d0_trunc"].append(flags_tr)
         for _t in range(T):
             rng, k_pol, k_env = jax.random.split(rng, 3)
-            po = policy_fn(params, obs, k_pol)
+            po = policy_fn(params, obs, jax.random.split(k_pol, B))  # row_rngs
             out["obs"].append(np.asarray(obs))
             out["actions"].append(np.asarray(po.actions))
             out["logp"].append(np.asarray(po.prev_logprobs))
@@ -243,9 +244,9 @@ def test_gymnax_pendulum_truncates_with_bootstrap():
     env_params = env_params.replace(max_steps_in_episode=6)  # episodes end mid-chunk
     k = 4
 
-    def pol(params, obs, key):
+    def pol(params, obs, rng):
         return PolicyOutput(
-            actions=jax.random.normal(key, (obs.shape[0], k, 1)),
+            actions=jax.vmap(lambda r: jax.random.normal(r, (k, 1)))(rng),
             prev_logprobs=jnp.zeros((obs.shape[0], k, 1)),
             prev_values=obs[:, 0],
         )

@@ -15,7 +15,14 @@ import pytest
 
 import jaxtraj
 from jaxtraj import EnvTransition, PolicyOutput, TrajectoryKey, TrajectoryPlan
-from jaxtraj.runners.threads import AsyncRunner, DecoupledRunner, EnvStep, RunnerError, key_rng
+from jaxtraj.runners.threads import (
+    AsyncRunner,
+    DecoupledRunner,
+    EnvStep,
+    RunnerError,
+    key_rng,
+    row_rngs,
+)
 
 _spec = importlib.util.spec_from_file_location(
     "collect_rollout", pathlib.Path(__file__).parents[1] / "examples" / "collect_rollout.py"
@@ -96,7 +103,7 @@ def make_collector(**plan_kw):
     key = TrajectoryKey(0, 0, 0, 0, 0)
     env = PointEnv(0)
     obs = env.reset()
-    out = policy_fn(PARAMS, obs, key_rng(SEED, key))
+    out = policy_fn(PARAMS, obs, row_rngs(key_rng(SEED, key), B))
     p = jaxtraj.PolicyPart(jaxtraj.TrajectorySource(key, B, 0), obs, out)
     st = env.step(key, out.actions)
     e = jaxtraj.EnvPart(
@@ -109,29 +116,40 @@ def make_collector(**plan_kw):
     return jaxtraj.TrajectoryCollector(plan, p, e)
 
 
-def sync_reference(num_steps):
-    """The same envs, policy and keys in one thread, in order."""
+def sync_reference(num_steps, ranks_per_call=RANKS):
+    """The same envs, policy and keys in one thread, in order: per chunk index, one
+    policy call on every rank's rows joined (``ranks_per_call`` ranks a call, each
+    chunk's rows with its own row keys), then each rank's env steps."""
     collector = make_collector()
     out = []
-    for rank in range(RANKS):
-        env = PointEnv(rank)
-        obs, prev = env.reset(), None
-        for s in range(num_steps):
-            for e in range(E):
-                for t in range(T):
-                    key = TrajectoryKey(s, e, rank, 0, t)
-                    o = policy_fn(PARAMS, obs, key_rng(SEED, key))
+    envs = [PointEnv(rank) for rank in range(RANKS)]
+    obs = [env.reset() for env in envs]
+    prev = [None] * RANKS
+    for s in range(num_steps):
+        for e in range(E):
+            for t in range(T):
+                keys = [TrajectoryKey(s, e, rank, 0, t) for rank in range(RANKS)]
+                outs = []
+                for lo in range(0, RANKS, ranks_per_call):
+                    group = range(lo, min(lo + ranks_per_call, RANKS))
+                    joined = {"state": np.concatenate([obs[r]["state"] for r in group])}
+                    rng = np.concatenate([row_rngs(key_rng(SEED, keys[r]), B) for r in group])
+                    o = policy_fn(PARAMS, joined, rng)
+                    outs += [jax.tree.map(lambda x, j=j: x[j * B : (j + 1) * B], o)
+                             for j in range(len(group))]
+                for rank, (env, key, o) in enumerate(zip(envs, keys, outs)):
                     src = jaxtraj.TrajectorySource(key, B, 0)
-                    out += collector.add(jaxtraj.PolicyPart(src, obs, o))
+                    out += collector.add(jaxtraj.PolicyPart(src, obs[rank], o))
                     st = env.step(key, o.actions)
                     init = None
                     if t == 0:
-                        init = (prev or jax.tree.map(np.zeros_like, st.transition)).boundary()
+                        before = prev[rank] or jax.tree.map(np.zeros_like, st.transition)
+                        init = before.boundary()
                     part = jaxtraj.EnvPart(
                         src, st.transition, initial_transition=init, final_values=st.final_values
                     )
                     out += collector.add(part)
-                    obs, prev = st.obs, st.transition
+                    obs[rank], prev[rank] = st.obs, st.transition
     return {(int(tr.step_id), int(tr.env_rank)): tr for _, tr in out}
 
 
@@ -344,11 +362,70 @@ def test_keyboard_interrupt_in_consumer_stops_workers():
     assert collector.current_step(0) + collector.current_step(1) >= 1  # the flush happened
 
 
-def test_max_batch_is_declared_on_both_runners():
-    """Defect 8: AsyncRunner serves one request per policy call, and says so."""
-    assert AsyncRunner.max_batch == 1
-    assert "max_batch" in vars(AsyncRunner)
-    assert issubclass(DecoupledRunner, AsyncRunner)
+def run_steps(cls, steps, per_call=False, **kw):
+    """``steps`` training steps of ``cls`` over delayed envs with a value_fn: in one
+    ``run`` or one ``run(num_steps=1)`` per step; the trajectories by (step, rank), the
+    policy calls and the rows of each call."""
+    rows = []
+
+    def counting(params, obs, rng):
+        assert obs["state"].shape[0] == rng.shape[0]
+        rows.append(rng.shape[0])
+        return policy_fn(params, obs, rng)
+
+    envs = [PointEnv(r, critic=False, delay_s=kw.pop("env_delay_s", 0.0)) for r in range(RANKS)]
+    runner = cls(make_collector(), envs, counting, PARAMS, value_fn=value_fn, seed=SEED,
+                 num_steps=steps, **kw)
+    items, calls = [], 0
+    for _ in range(steps if per_call else 1):
+        items += runner.run(num_steps=1 if per_call else steps)
+        calls += runner.calls
+    assert runner_threads() == []
+    return {(int(tr.step_id), int(tr.env_rank)): tr for _, tr in items}, calls, rows
+
+
+@pytest.mark.parametrize("cls", [AsyncRunner, DecoupledRunner])
+def test_trajectories_are_bit_identical_whatever_the_batching(cls):
+    """One policy_fn call serves every ready rank (rows padded to max_batch * B, a key
+    per row from the chunk's key): batched always (a long wait), rarely (no wait,
+    random env delays, jitter), across run(num_steps=1) calls, the same trajectories;
+    AsyncRunner's equal the synchronous loop's."""
+    steps, chunks = 2, 2 * E * T
+    noisy = dict(batch_wait_s=0.0, env_delay_s=0.004, jitter_s=0.003)
+    for per_call in (False, True):
+        batched, calls, rows = run_steps(cls, steps, per_call, batch_wait_s=5.0)
+        assert calls == chunks and set(rows) == {RANKS * B}  # one call per chunk index
+        unbatched, calls, rows = run_steps(cls, steps, per_call, **noisy)
+        assert calls > chunks and set(rows) == {RANKS * B}  # some calls served one rank
+        assert sorted(batched) == sorted(unbatched)
+        for k in batched:
+            assert_same(unbatched[k], batched[k])
+        if cls is AsyncRunner:  # the synchronous loop's, in one run or one call a step
+            ref = sync_reference(steps)
+            for k in ref:
+                assert_same(batched[k], ref[k])
+        # (DecoupledRunner's first chunk of a call is inferred from the observation the
+        # last call left, a fresh one, where one run's is one chunk stale: by design.)
+
+
+@pytest.mark.parametrize("cls", [AsyncRunner, DecoupledRunner])
+def test_max_batch_one_is_one_call_per_rank_and_chunk(cls):
+    steps = 1
+    got, calls, rows = run_steps(cls, steps, max_batch=1, env_delay_s=0.002)
+    assert calls == RANKS * E * T and set(rows) == {B}
+    if cls is AsyncRunner:  # the per-rank loop's numerics (B rows a call)
+        ref = sync_reference(steps, ranks_per_call=1)
+        for k in ref:
+            assert_same(got[k], ref[k])
+
+
+def test_batching_arguments_are_checked():
+    envs = [PointEnv(r) for r in range(RANKS)]
+    with pytest.raises(ValueError, match="max_batch"):
+        AsyncRunner(make_collector(), envs, policy_fn, PARAMS, max_batch=0)
+    with pytest.raises(ValueError, match="batch_wait_s"):
+        DecoupledRunner(make_collector(), envs, policy_fn, PARAMS, batch_wait_s=-1)
+    assert AsyncRunner(make_collector(), envs, policy_fn, PARAMS, max_batch=8).max_batch == RANKS
 
 
 def test_terminal_inference_runs_on_the_policy_side_env_workers_need_no_critic():
@@ -388,8 +465,7 @@ def test_without_a_value_fn_a_critic_free_env_is_rejected_naming_the_env_worker(
 def test_run_once_per_training_step_carries_envs_keys_and_versions(cls):
     steps = 10
     envs = [PointEnv(r, critic=False, log={}) for r in range(RANKS)]
-    kw = {"max_batch": 1} if cls is DecoupledRunner else {}
-    runner = cls(make_collector(), envs, policy_fn, PARAMS, value_fn=value_fn, seed=SEED, **kw)
+    runner = cls(make_collector(), envs, policy_fn, PARAMS, value_fn=value_fn, seed=SEED)
     got = {}
     for it in range(steps):
         items = runner.run(num_steps=1)  # one training step

@@ -7,15 +7,21 @@ consumer in the learner process (the thread calling :meth:`RayRunner.run`) feeds
 
 - ``policy="learner"`` (default, Sebulba-style): in the learner process, on its
   accelerator. For each env rank the learner infers a chunk's actions from the rank's
-  last observation, inserts the :class:`~jaxtraj.PolicyPart`, and sends the actions to
-  the rank's actor, which executes them and returns the env half and the next
-  observation. One chunk per rank is in flight (the next chunk needs this one's
-  observation); ranks run in parallel.
+  last observation, sends the actions to the rank's actor, which executes them and
+  returns the env half and the next observation, and inserts the
+  :class:`~jaxtraj.PolicyPart` while the actor steps. One inference serves every rank
+  whose observation is in (``max_batch``, ``batch_wait_s``: rows joined, a PRNG key per
+  row, as in :class:`~jaxtraj.runners.threads.AsyncRunner`). One chunk per rank is in
+  flight (the next chunk needs this one's observation); ranks run in parallel.
 - ``policy="actor"``: a copy of the policy in every env actor. The learner broadcasts
   parameters once per :meth:`RayRunner.update_policy` (``ray.put``); each actor call
   produces ``chunks_per_call`` chunks, both halves, and at most ``max_in_flight`` calls
   per actor are outstanding (backpressure: memory is bounded by
-  ``ranks x max_in_flight x chunks_per_call`` chunks).
+  ``ranks x max_in_flight x chunks_per_call`` chunks): several chunks in flight per
+  rank.
+
+Keys and PRNG keys are made one training step at a time (not for the whole run), so the
+learner's memory does not grow with ``num_steps``.
 
 Parts travel as numpy arrays through Ray's object store: the arrays are serialised as
 out-of-band buffers (pickle protocol 5), read zero-copy (read-only) on the learner's side,
@@ -74,12 +80,14 @@ from jaxtraj.runners.service import (
     ObservationCheck,
     PolicyFn,
     RunnerError,
+    StepRngs,
     ValueFn,
     chunk_keys,
     complete_env_part,
     env_part,
-    key_rngs,
+    join_rows,
     rank_order,
+    split_rows,
     stamp_versions,
 )
 from jaxtraj.types import PolicyPart, TrajectoryKey, TrajectorySource
@@ -145,7 +153,8 @@ class EnvWorker:
     def run(
         self, keys: Sequence[tuple], rngs: Sequence[Any], params: Any, version: int
     ) -> tuple[list, Any]:
-        """Infer and execute chunks ``keys`` in order, sampling with ``rngs`` (their
+        """Infer and execute chunks ``keys`` in order, sampling with ``rngs`` (each
+        chunk's row keys ``[B, 2]``, :func:`~jaxtraj.runners.service.row_rngs` of its
         :func:`~jaxtraj.runners.service.key_rng`): ``([(policy half, env half)],
         snapshot)``."""
         out = []
@@ -208,7 +217,8 @@ class _Rank:
     index: int
     rank: int
     actor: Any = None
-    keys: list = field(default_factory=list)
+    key_at: Callable[[int], TrajectoryKey] | None = None  # the n-th key of this run
+    total: int = 0  # chunks this run
     n: int = 0  # chunks received
     sent: int = 0  # chunks requested (policy="actor")
     obs: PyTree = None
@@ -227,7 +237,9 @@ class _Rank:
         return f"env_worker_{self.rank}"
 
     def key(self) -> tuple | None:
-        return self.keys[min(self.n, len(self.keys) - 1)].as_tuple() if self.keys else None
+        if not self.total:
+            return None
+        return self.key_at(min(self.n, self.total - 1)).as_tuple()
 
 
 class RayRunner:
@@ -238,8 +250,12 @@ class RayRunner:
       collector: the :class:`TrajectoryCollector` to feed; only the thread calling
         :meth:`run` touches it.
       env_fn: ``env_fn(env_rank) -> Env``, picklable; called in each actor's process.
-      policy_fn: ``policy_fn(params, obs, rng) -> PolicyOutput`` for a batch ``[B, ...]``
-        (picklable when ``policy="actor"``); the runner stamps ``versions``.
+      policy_fn: ``policy_fn(params, obs, rng) -> PolicyOutput`` for ``N`` rows, ``rng``
+        ``[N, 2]`` a PRNG key per row (:data:`~jaxtraj.runners.service.PolicyFn`;
+        picklable when ``policy="actor"``); the runner stamps ``versions``. In the
+        learner one call serves every rank whose observation is in, ``N = max_batch *
+        B`` rows (padded), as :class:`~jaxtraj.runners.threads.AsyncRunner` does; in an
+        actor, ``N = B``, its own rank's chunk (as ``AsyncRunner(max_batch=1)``).
       params: the initial policy parameters (version 0).
       value_fn: ``value_fn(params, obs) -> [B]``, terminal inference on the policy side
         (picklable when ``policy="actor"``): ``final_values = value_fn(params,
@@ -251,8 +267,9 @@ class RayRunner:
       step_id: the first training step.
       stage_id: the stage of every key.
       env_ranks: the env ranks, one actor each; default ``range(plan.num_env_ranks)``.
-      seed: base seed of :func:`~jaxtraj.runners.service.key_rng` (computed in the
-        learner for every chunk, also when the policy runs in the actors).
+      seed: base seed of :func:`~jaxtraj.runners.service.key_rng` (the row keys are
+        computed in the learner, one training step at a time, also when the policy runs
+        in the actors).
       policy: ``"learner"`` (Sebulba-style) or ``"actor"``.
       chunks_per_call: with ``policy="actor"``, chunks per actor call (batched in one
         transfer).
@@ -266,6 +283,11 @@ class RayRunner:
       on_flush: where flushed items go (as :class:`~jaxtraj.runners.threads.AsyncRunner`).
       output_queue: where flushed items go when ``on_flush`` is ``None``; with neither,
         :meth:`run` returns them.
+      max_batch, batch_wait_s: with ``policy="learner"``, the most ranks one inference
+        serves (default all) and how long the learner waits, after the first rank's
+        observation is in, for the others' (as
+        :class:`~jaxtraj.runners.threads.AsyncRunner`'s: the trajectories do not depend
+        on the batching).
 
     Example::
 
@@ -298,6 +320,8 @@ class RayRunner:
         actor_options: dict | None = None,
         on_flush: Callable[[str, Any], None] | None = None,
         output_queue: Any = None,
+        max_batch: int | None = None,
+        batch_wait_s: float = 0.002,
     ):
         if policy not in ("learner", "actor"):
             raise ValueError(f"policy must be 'learner' or 'actor', got {policy!r}")
@@ -308,6 +332,10 @@ class RayRunner:
             )
         if max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
+        if max_batch is not None and max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if batch_wait_s < 0:
+            raise ValueError(f"batch_wait_s must be >= 0, got {batch_wait_s}")
         self.collector, self.plan = collector, collector.plan
         self.env_fn, self.policy_fn, self.policy = env_fn, policy_fn, policy
         self.value_fn = value_fn
@@ -318,6 +346,12 @@ class RayRunner:
         self.chunks_per_call, self.max_in_flight = chunks_per_call, max_in_flight
         self.max_restarts, self.stall_timeout_s = max_restarts, stall_timeout_s
         self.actor_options = dict(actor_options or {})
+        n_ranks = len(self.env_ranks)
+        self.max_batch = n_ranks if max_batch is None else min(max_batch, n_ranks)
+        self._slots, self.batch_wait_s = self.max_batch, batch_wait_s
+        self._ready: list[_Rank] = []  # ranks whose next chunk waits for inference
+        self._ready_at: float | None = None
+        self.calls = 0  # policy_fn calls in the learner, last run
         self._params, self._version = params, 0
         self._params_ref: tuple[int, Any] | None = None  # (version, object ref)
         self._lock = threading.Lock()
@@ -396,31 +430,37 @@ class RayRunner:
         self._run_steps = n
         self._start()
         self._consumer = consumer = Consumer(self.collector, self.on_flush, self.output_queue)
-        keys_of = lambda r: chunk_keys(self.plan, r, self.step_id, n, self.stage_id)
-        keys = [k for r in self.env_ranks for k in keys_of(r)]
-        self._rngs = key_rngs(self.seed, keys)  # every chunk's PRNG key, in one call
+        # Row keys one training step at a time (memory does not grow with n); keys by
+        # index, no list of them.
+        self._rngs = StepRngs(self.plan, self.seed, self.env_ranks, self.stage_id)
+        self._ready, self._ready_at, self.calls = [], None, 0
         for w in self._ranks:
-            w.keys, w.n, w.sent, w.failures = keys_of(w.rank), 0, 0, 0
+            w.key_at = self._keyer(w.rank)
+            w.total, w.n, w.sent, w.failures = n * self.plan.num_epochs * self.plan.num_chunks, 0, 0, 0
         try:
             for w in self._ranks:
                 w.progress_at = time.monotonic()
                 self._submit(w)
             stall_at = time.monotonic()
-            while any(w.n < len(w.keys) for w in self._ranks):
+            while any(w.n < w.total for w in self._ranks):
                 now = time.monotonic()
                 for w in self._ranks:
                     if w.ping_at is not None and now >= w.ping_at:
                         w.ping_at = None
                         w.pending.append(("ping", w.actor.pid.remote(), None))
+                self._serve_ready()
                 heads = {w.pending[0][1]: w for w in self._ranks if w.pending}
                 refs = list(heads)
+                wait_s = _POLL_S
+                if self._ready_at is not None:  # ranks wait for a batched inference
+                    wait_s = max(0.0, min(wait_s, self._ready_at + self.batch_wait_s - now))
                 if not refs:
-                    time.sleep(_POLL_S)
+                    time.sleep(wait_s)
                     continue
                 # Every head that is ready, fetched in one call; else wait for one.
                 ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-                if not ready:
-                    ready, _ = ray.wait(refs, num_returns=1, timeout=_POLL_S)
+                if not ready and wait_s > 0:
+                    ready, _ = ray.wait(refs, num_returns=1, timeout=wait_s)
                 for ref, result in zip(ready, _fetch(ready)):
                     self._receive(heads[ref], result)
                 if self.stall_timeout_s is not None and time.monotonic() > stall_at:
@@ -474,34 +514,73 @@ class RayRunner:
                 w.pending.append(("reset", w.actor.reset.remote(), None))
             return
         if self.policy == "learner":
-            if not w.pending and w.n < len(w.keys):
-                self._infer(w)
+            if not w.pending and w.n < w.total and w not in self._ready:
+                self._ready.append(w)  # its observation is in: inferred with the others
+                if self._ready_at is None:
+                    self._ready_at = time.monotonic()
+                self._serve_ready()
             return
         ref = None
-        while len(w.pending) < self.max_in_flight and w.sent < len(w.keys):
-            batch = [k.as_tuple() for k in w.keys[w.sent : w.sent + self.chunks_per_call]]
+        while len(w.pending) < self.max_in_flight and w.sent < w.total:
+            keys = [w.key_at(i) for i in range(w.sent, min(w.sent + self.chunks_per_call, w.total))]
             ref = ref or self._params_for_actors()
-            rngs = [self._rngs[k] for k in batch]
+            rngs = [self._rngs(k) for k in keys]
+            batch = [k.as_tuple() for k in keys]
             w.pending.append(("run", w.actor.run.remote(batch, rngs, ref[0], ref[1]), batch))
             w.sent += len(batch)
 
-    def _infer(self, w: _Rank) -> None:
-        """Policy inference in the learner for rank ``w``'s next chunk; its actions go
-        to the actor."""
-        key = w.keys[w.n]
+    def _keyer(self, rank: int) -> Callable[[int], TrajectoryKey]:
+        """The ``n``-th key env rank ``rank`` produces in this run."""
+        T, E, step0, stage = self.plan.num_chunks, self.plan.num_epochs, self.step_id, self.stage_id
+
+        def key_at(n: int) -> TrajectoryKey:
+            s, rest = divmod(n, E * T)
+            return TrajectoryKey(step0 + s, rest // T, rank, stage, rest % T)
+
+        return key_at
+
+    def _serve_ready(self, force: bool = False) -> None:
+        """With the policy in the learner: one inference for the ranks whose observation
+        is in, once ``max_batch`` of them are, or no other rank can join (done, or
+        restarting), or ``batch_wait_s`` has passed since the first."""
+        if not self._ready or self._draining:
+            return
+        waiting = [
+            w for w in self._ranks if w not in self._ready and w.n < w.total and w.pending
+        ]
+        late = time.monotonic() >= self._ready_at + self.batch_wait_s
+        if len(self._ready) < self._slots and waiting and not late and not force:
+            return
+        batch = sorted(self._ready[: self._slots], key=lambda w: w.index)
+        self._ready = self._ready[self._slots :]
+        self._ready_at = time.monotonic() if self._ready else None
+        self._infer(batch)
+
+    def _infer(self, batch: list[_Rank]) -> None:
+        """One policy inference in the learner for the next chunk of every rank in
+        ``batch`` (rows joined and padded to ``max_batch * B``, a key per row); each
+        rank's actions go to its actor, then its policy half to the collector."""
+        bsz = self.plan.batch_size
+        keys = [w.key_at(w.n) for w in batch]
         with self._lock:
             params, version = self._params, self._version
         try:
-            output = self.policy_fn(params, w.obs, self._rngs[key.as_tuple()])
-            output = stamp_versions(output, version, self._stamp)
-            part = PolicyPart(TrajectorySource(key, self.plan.batch_size, 0), w.obs, output)
-            self.collector.check_structure(part)  # before the env executes bad actions
+            obs, rng = join_rows([w.obs for w in batch], [self._rngs(k) for k in keys],
+                                 self._slots)
+            output = stamp_versions(self.policy_fn(params, obs, rng), version, self._stamp)
+            parts = []
+            for w, key, own in zip(batch, keys, split_rows(output, len(batch), bsz)):
+                part = PolicyPart(TrajectorySource(key, bsz, 0), w.obs, own)
+                self.collector.check_structure(part)  # before the env executes bad actions
+                parts.append(part)
         except Exception as exc:
-            raise RunnerError("policy_worker", key.as_tuple(), exc, self.delivered) from exc
-        self._consumer.consume("policy_worker", part)
-        w.actions = output.actions
-        ref = w.actor.step.remote(key.as_tuple(), output.actions)
-        w.pending.append(("step", ref, key))
+            raise RunnerError("policy_worker", keys[0].as_tuple(), exc, self.delivered) from exc
+        self.calls += 1
+        for w, key, part in zip(batch, keys, parts):  # the actors step while we insert
+            w.actions = part.output.actions
+            w.pending.append(("step", w.actor.step.remote(key.as_tuple(), w.actions), key))
+        for part in parts:
+            self._consumer.consume("policy_worker", part)
 
     def _receive(self, w: _Rank, result: Any) -> None:
         """Handle the result of rank ``w``'s oldest request (a :class:`_Failure` if it
@@ -568,7 +647,7 @@ class RayRunner:
 
     def _checked_obs(self, w: _Rank, obs: PyTree) -> None:
         try:
-            self._obs_check(obs, w.keys[min(w.n, len(w.keys) - 1)])
+            self._obs_check(obs, w.key_at(min(w.n, w.total - 1)))
         except CollectorError as exc:
             raise RunnerError(w.name, w.key(), exc, self.delivered) from exc
 
@@ -589,8 +668,8 @@ class RayRunner:
             replay = [(k, a) for k, a in w.replay]
             ref = w.actor.restore.remote(w.snapshot, w.prev, replay)
             w.pending.append(("restore", ref, None))
-            if self.policy == "learner" and w.n < len(w.keys):
-                key = w.keys[w.n]  # the same actions again: the chunk's policy half is in
+            if self.policy == "learner" and w.n < w.total and w.actions is not None:
+                key = w.key_at(w.n)  # the same actions again: the chunk's policy half is in
                 w.pending.append(("step", w.actor.step.remote(key.as_tuple(), w.actions), key))
                 return
         self._submit(w)

@@ -7,9 +7,13 @@ not depend on the transport lives here:
 
 - the environment protocol (:class:`Env`, :class:`EnvStep`) and the policy signature;
 - the keys an env rank produces, in order (:func:`chunk_keys`);
-- key-derived randomness (:func:`key_rng`, :func:`key_rngs`): a chunk's PRNG key depends
-  on its key alone, never on arrival order or on which process computed it, so every
-  transport produces the same trajectories;
+- the policy signature and key-derived randomness (:data:`PolicyFn`, :func:`key_rng`,
+  :func:`row_rngs`, :func:`key_rngs`): a chunk's PRNG key depends on its key alone, and
+  each of its rows gets a key of its own split from it, never from arrival order, from
+  which process computed it or from which other chunks shared the policy call, so every
+  transport and every batching produces the same trajectories;
+- how the policy side batches the chunks of several env ranks into one call
+  (:func:`join_rows`, :func:`split_rows`);
 - how an :class:`EnvStep` becomes an :class:`EnvPart` (:func:`env_part`: chunk 0 carries
   the previous chunk's boundary flags) and how a policy output is stamped with the model
   version (:func:`stamp_versions`);
@@ -20,6 +24,7 @@ not depend on the transport lives here:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -107,6 +112,23 @@ class Env(Protocol):
 
 
 PolicyFn = Callable[[Any, PyTree, jax.Array], PolicyOutput]
+"""``policy_fn(params, obs, rng) -> PolicyOutput``, every runner's policy signature.
+
+``obs`` leaves are ``[N, ...]`` and ``rng`` is ``[N, 2]`` ``uint32``: one PRNG key per
+row, so a row's sample depends on its own key alone, never on which other rows share
+the call. The host runners join several env ranks' chunks into one call (``N`` is a
+multiple of the plan's ``batch_size`` ``B``); the synchronous runner calls it per chunk
+(``N = B``). Sample per row, e.g.
+``noise = jax.vmap(lambda k: jax.random.normal(k, (K, A)))(rng)``; never draw one array
+of ``N`` rows from ``rng[0]``. The output's leaves are ``[N, ...]`` (``actions
+[N, K, A]``).
+
+Row keys: chunk ``key``'s rows get ``row_rngs(key_rng(seed, key), B)`` (the host
+runners), or the synchronous runner's per-chunk key split the same way
+(:func:`row_rngs`), so a hand loop that calls the policy the same way reproduces a
+runner's samples.
+"""
+
 ValueFn = Callable[[Any, PyTree], Any]
 
 
@@ -120,23 +142,82 @@ def _fold_key(seed: jax.Array, fields: jax.Array) -> jax.Array:
 
 def key_rng(seed: int, key: TrajectoryKey) -> jax.Array:
     """The PRNG key of a chunk: ``seed`` folded with every field of ``key`` (one device
-    call, independent of arrival order)."""
+    call, independent of arrival order). Its rows' keys are :func:`row_rngs` of it."""
     return _fold_key(np.int32(seed), np.asarray([int(v) for v in key.fields()], np.int32))
 
 
-_fold_keys = jax.jit(jax.vmap(_fold_key, in_axes=(None, 0)))
+def row_rngs(rng: jax.Array, rows: int) -> jax.Array:
+    """The per-row PRNG keys ``[rows, 2]`` a chunk's ``policy_fn`` call gets from the
+    chunk's key ``rng``: ``jax.random.split(rng, rows)`` (every runner's rule)."""
+    return jax.random.split(rng, rows)
 
 
-def key_rngs(seed: int, keys: Sequence[TrajectoryKey]) -> dict[tuple, np.ndarray]:
-    """:func:`key_rng` of many keys in one device call, as host arrays by key tuple."""
+@functools.partial(jax.jit, static_argnums=2)
+def _fold_rows(seed: jax.Array, fields: jax.Array, rows: int) -> jax.Array:
+    return jax.vmap(lambda f: row_rngs(_fold_key(seed, f), rows))(fields)
+
+
+def key_rngs(seed: int, keys: Sequence[TrajectoryKey], rows: int) -> dict[tuple, np.ndarray]:
+    """The row keys ``row_rngs(key_rng(seed, key), rows)`` of many chunks in one device
+    call, as host arrays ``[rows, 2]`` by key tuple."""
     fields = np.asarray([[int(v) for v in k.fields()] for k in keys], np.int32).reshape(-1, 5)
     # Padded to a power of two: runs of different lengths share a few compiled shapes
     # (a compile costs ~0.3 s, more than a short run's collection).
     n = len(fields)
     padded = np.zeros((max(64, 1 << max(n - 1, 0).bit_length()), 5), np.int32)
     padded[:n] = fields
-    rngs = np.asarray(_fold_keys(np.int32(seed), padded))[:n]
+    rngs = np.asarray(_fold_rows(np.int32(seed), padded, int(rows)))[:n]
     return {tuple(f): r for f, r in zip(fields.tolist(), rngs)}
+
+
+class StepRngs:
+    """Row keys of one training step of every rank at a time (one device call when a
+    step is first asked for); older steps are dropped, so memory does not grow with the
+    number of steps a run collects."""
+
+    def __init__(self, plan: TrajectoryPlan, seed: int, ranks: Sequence[int], stage_id: int):
+        self.plan, self.seed, self.ranks, self.stage_id = plan, seed, list(ranks), stage_id
+        self.steps: dict[int, dict] = {}
+
+    def __call__(self, key: TrajectoryKey) -> np.ndarray:
+        """``[B, 2]``: the row keys of chunk ``key``."""
+        step = int(key.step_id)
+        table = self.steps.get(step)
+        if table is None:
+            keys = [
+                k
+                for r in self.ranks
+                for k in chunk_keys(self.plan, r, step, 1, self.stage_id)
+            ]
+            table = self.steps[step] = key_rngs(self.seed, keys, self.plan.batch_size)
+            for old in [s for s in self.steps if s < step - 1]:
+                del self.steps[old]
+        return table[key.as_tuple()]
+
+
+def join_rows(obs: Sequence[PyTree], rngs: Sequence[np.ndarray], slots: int) -> tuple:
+    """One policy call's inputs from several chunks: observations ``[B, ...]`` and row
+    keys ``[B, 2]`` concatenated in the order given, then padded to ``slots`` chunks
+    with copies of the first chunk's rows (so a call always has ``slots * B`` rows: a
+    jitted policy compiles once, and its numerics, which depend on the row count, are
+    the same whichever chunks were ready). Returns ``(obs, rng)``."""
+    pad = slots - len(obs)
+    if pad < 0:
+        raise ValueError(f"{len(obs)} chunks for {slots} slots")
+    if slots == 1:
+        return obs[0], rngs[0]
+    obs = list(obs) + [obs[0]] * pad
+    rngs = list(rngs) + [rngs[0]] * pad
+    return jax.tree.map(lambda *xs: np.concatenate(xs), *obs), np.concatenate(rngs)
+
+
+def split_rows(output: PolicyOutput, count: int, rows: int) -> list[PolicyOutput]:
+    """The first ``count`` chunks' outputs (``rows`` rows each) of a joined call's
+    output, as host arrays; the padding's rows are dropped."""
+    output = jax.tree.map(np.asarray, output)
+    if count == 1 and np.shape(output.actions)[0] == rows:
+        return [output]
+    return [jax.tree.map(lambda x, j=j: x[j * rows : (j + 1) * rows], output) for j in range(count)]
 
 
 def chunk_keys(

@@ -7,8 +7,11 @@ environments, or for a batched env driver (:class:`EnvDriver`, e.g.
 interface inside the same scan): every function below takes either as ``env``. One
 call of :func:`collect` runs a whole training step of one source: for each of ``E`` epochs and ``T`` chunks it
 
-1. runs policy inference, ``policy_fn(params, obs, key) -> PolicyOutput`` (actions
-   ``[B, K, A]``, ``prev_logprobs``, ``prev_values [B]``);
+1. runs policy inference, ``policy_fn(params, obs, rng) -> PolicyOutput`` (actions
+   ``[B, K, A]``, ``prev_logprobs``, ``prev_values [B]``); ``rng`` is ``[B, 2]``, a PRNG
+   key per row: the chunk's policy key split with
+   :func:`~jaxtraj.runners.service.row_rngs`, the host runners' signature and rule
+   (:data:`~jaxtraj.runners.service.PolicyFn`), so one policy serves every runner;
 2. executes the ``K`` actions of the chunk in the environments (see "Chunk ends"
    below);
 3. runs terminal inference, ``value_fn(params, final_obs) -> [B]``: ``V`` of the
@@ -360,7 +363,7 @@ def _chunk(
     B = carry.terminations.shape[0]
     # int32 like the key (a Python int would be int64 under jax_enable_x64)
     source = TrajectorySource(key, jnp.int32(B), jnp.int32(0))
-    out = policy_fn(params, carry.obs, k_pol)
+    out = policy_fn(params, carry.obs, jax.random.split(k_pol, B))  # a key per row (row_rngs)
     driver = _driver(env, env_params, B, carry.terminations.shape[1], chunk_end)
     result = driver.step_chunk(carry.env_state, out.actions, k_env)
     env_state, obs, r, term, trunc, final_obs = result[:6]
@@ -437,8 +440,10 @@ def collect(
         ``batch_size`` ``B``).
       env: a gymnax-style environment (static), or an :class:`EnvDriver`.
       env_params: its parameters (traced; ignored with an :class:`EnvDriver`).
-      policy_fn: ``(params, obs [B, ...], key) -> PolicyOutput`` with ``actions
-        [B, K, A]``, ``prev_logprobs`` and ``prev_values [B]``.
+      policy_fn: ``(params, obs [B, ...], rng [B, 2]) -> PolicyOutput`` with ``actions
+        [B, K, A]``, ``prev_logprobs`` and ``prev_values [B]``; ``rng``: a PRNG key per
+        row, the chunk's policy key split into ``B``
+        (:data:`~jaxtraj.runners.service.PolicyFn`).
       value_fn: ``(params, obs [B, ...]) -> [B]``, terminal inference.
       state: the collector state (single-source or stacked); the key's ``step_id``
         is the source's current step in it.

@@ -3,6 +3,7 @@
 Threads and queues::
 
     env worker r (one per env rank) --requests (at most two each)--> policy worker
+    policy worker: one policy_fn call for every rank whose request is ready
     policy worker --actions (one reply queue per env rank, one reply at most)--> env worker r
     env workers, policy worker --parts (bounded)--> consumer --> TrajectoryCollector
     consumer --> on_flush(queue_key, item) | output_queue | the list run() returns
@@ -21,9 +22,13 @@ working on. What was collected stays in the collector (``collector.missing()`` l
 what the interrupted step still waits for). A ``KeyboardInterrupt`` in ``run`` stops
 the workers the same way and is re-raised.
 
-Randomness is derived from the chunk's key (:func:`key_rng`), never from arrival
-order, so :class:`AsyncRunner` produces the same trajectories as a synchronous loop over
-the same environments, policy and keys.
+The policy worker batches: one ``policy_fn`` call serves every env rank whose
+observation is ready (up to ``max_batch``, after a bounded wait ``batch_wait_s``), on
+the ranks' rows joined and padded to a fixed ``max_batch * B`` rows. Randomness is
+derived from each chunk's key (:func:`key_rng`, one key per row: :func:`row_rngs`),
+never from arrival order or from which ranks shared a call, so :class:`AsyncRunner`
+produces the same trajectories whatever the timing, and the same as a synchronous loop
+that calls the policy once per chunk index on every rank's rows with the same keys.
 
 What does not depend on the transport (the environment protocol, chunk keys, key-derived
 randomness, env halves, version stamping, the consumer) lives in
@@ -41,7 +46,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
 import numpy as np
 
 from jaxtraj.collector import TrajectoryCollector
@@ -53,15 +57,19 @@ from jaxtraj.runners.service import (  # noqa: F401  (re-exported: the public na
     ObservationCheck,
     PolicyFn,
     RunnerError,
+    StepRngs,
     ValueFn,
     check_env,
     check_seeds,
     chunk_keys,
     complete_env_part,
     env_part,
+    join_rows,
     key_rng,
     key_rngs,
     rank_order,
+    row_rngs,
+    split_rows,
     stack_ranks,
     stamp_versions,
 )
@@ -89,8 +97,14 @@ class AsyncRunner:
         rendering to a thread needs (a MuJoCo camera renders black from another thread).
         A factory that raises, or returns something that is not an env, is a
         :class:`RunnerError` naming the rank; the ranks built before it are closed.
-      policy_fn: ``policy_fn(params, obs, rng) -> PolicyOutput`` for a batch ``[B, ...]``;
-        the runner stamps ``versions`` with the current model version.
+      policy_fn: ``policy_fn(params, obs, rng) -> PolicyOutput`` for ``N`` rows: ``obs``
+        leaves ``[N, ...]``, ``rng`` ``[N, 2]``, one PRNG key per row
+        (:data:`~jaxtraj.runners.service.PolicyFn`). One call serves every rank whose
+        observation is ready: ``N = max_batch * B`` always, rank after rank in env-rank
+        order, the rows of ranks not in the call padding (copies, dropped). Chunk
+        ``key``'s rows get ``row_rngs(key_rng(seed, key), B)``, so a row's sample never
+        depends on the batching. The runner stamps ``versions`` with the current model
+        version.
       params: the initial policy parameters (version 0).
       value_fn: ``value_fn(params, obs) -> [B]``, terminal inference on the policy side:
         the policy worker computes ``final_values = value_fn(params, EnvStep.final_obs)``
@@ -115,6 +129,17 @@ class AsyncRunner:
         refuses envs whose sub-environments share a seed across ranks (``GymnasiumEnv``
         and EnvPool seed sub-env ``i`` with ``seed + i``: ``seed=rank`` gives rank 0's
         sub-env 1 rank 1's sub-env 0's seed); give rank ``r`` e.g. ``seed=1000 * r``.
+      max_batch: the most env ranks one ``policy_fn`` call serves (default: all of
+        them). Every call has ``max_batch * B`` rows, padded where fewer ranks are
+        ready, so a jitted policy compiles once and its numerics (a matmul's depend on
+        the row count) are the same whichever ranks shared a call: trajectories are
+        bit-identical however requests were batched. ``max_batch=1``: one call per
+        rank's chunk, ``B`` rows (what a per-rank hand loop, or Ray's
+        ``policy="actor"``, computes).
+      batch_wait_s: after the first request of a call arrives, how long the policy
+        worker waits for the other ranks' before calling ``policy_fn`` with those
+        that are ready (it never waits for a rank that has nothing left to ask). A
+        performance knob only: the trajectories do not depend on it.
 
     A runner carries across calls: each :meth:`run` collects the training steps after
     the previous one's, from where the environments are (no reset between calls), with
@@ -129,8 +154,6 @@ class AsyncRunner:
             params, opt_state = update(params, opt_state, items)
             runner.update_policy(params)
     """
-
-    max_batch: int = 1  # requests one policy call serves (DecoupledRunner batches)
 
     pipelined = False  # DecoupledRunner: request the next chunk before stepping this one
 
@@ -152,6 +175,8 @@ class AsyncRunner:
         queue_size: int = 64,
         jitter_s: float = 0.0,
         allow_shared_seeds: bool = False,
+        max_batch: int | None = None,
+        batch_wait_s: float = 0.002,
     ):
         self.collector, self.plan = collector, collector.plan
         self.policy_fn, self.value_fn = policy_fn, value_fn
@@ -177,6 +202,13 @@ class AsyncRunner:
         self.num_steps, self.step_id, self.stage_id = num_steps, step_id, stage_id
         self.seed, self.on_flush, self.output_queue = seed, on_flush, output_queue
         self.jitter_s = jitter_s
+        if max_batch is not None and max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if batch_wait_s < 0:
+            raise ValueError(f"batch_wait_s must be >= 0, got {batch_wait_s}")
+        self.max_batch = len(self.envs) if max_batch is None else min(max_batch, len(self.envs))
+        self._slots = self.max_batch
+        self.batch_wait_s = batch_wait_s
         self._params, self._version = params, 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -197,7 +229,8 @@ class AsyncRunner:
         self._stamp = self._layout.policy.output.versions is not None
         # Per env: (observation, last chunk's transition) where the last run left it.
         self._carry: list[tuple[PyTree, Any] | None] = [None] * len(self.envs)
-        self._rng_steps: dict[int, dict] = {}  # step_id -> PRNG key by key tuple
+        self._rng_steps = StepRngs(self.plan, seed, self.env_ranks, stage_id)
+        self.calls = 0  # policy_fn calls of the last run
         self._broken: str | None = None  # the failure that ended the last run, if any
 
     # -- public ----------------------------------------------------------------------
@@ -262,7 +295,8 @@ class AsyncRunner:
         self._requests, self._parts = queue.SimpleQueue(), queue.Queue(self._parts.maxsize)
         self._replies = [queue.SimpleQueue() for _ in self.envs]
         self._consumer = consumer = Consumer(self.collector, self.on_flush, self.output_queue)
-        self._rng_steps = {}
+        self._rng_steps = StepRngs(self.plan, self.seed, self.env_ranks, self.stage_id)
+        self.calls = 0
         per_env = n * self.plan.num_epochs * self.plan.num_chunks
         total = 2 * len(self.envs) * per_env
         # Requests the policy worker serves: one per chunk; with terminal inference also
@@ -347,19 +381,10 @@ class AsyncRunner:
         return TrajectoryKey(self.step_id + s, rest // T, rank, self.stage_id, rest % T)
 
     def _rng(self, key: TrajectoryKey) -> np.ndarray:
-        """The chunk's :func:`key_rng`, computed for a whole training step of every rank
-        in one device call when first asked; older steps are dropped (policy worker
-        only)."""
-        step = int(key.step_id)
-        table = self._rng_steps.get(step)
-        if table is None:
-            keys = [
-                k for r in self.env_ranks for k in chunk_keys(self.plan, r, step, 1, self.stage_id)
-            ]
-            table = self._rng_steps[step] = key_rngs(self.seed, keys)
-            for old in [s for s in self._rng_steps if s < step - 1]:
-                del self._rng_steps[old]
-        return table[key.as_tuple()]
+        """The chunk's row keys ``[B, 2]`` (:func:`~jaxtraj.runners.service.row_rngs` of
+        its :func:`key_rng`), made for a whole training step of every rank in one device
+        call when first asked; older steps are dropped (policy worker only)."""
+        return self._rng_steps(key)
 
     # -- workers ---------------------------------------------------------------------
 
@@ -469,41 +494,72 @@ class AsyncRunner:
         self._publish(worker, done, rand)
 
     def _policy_worker(self, count: int, ctx: dict) -> None:
+        """Serve every env rank's requests: terminal inference for env halves at once;
+        action requests joined, one ``policy_fn`` call for all ranks whose observation
+        is ready (up to :attr:`max_batch`, waiting at most :attr:`batch_wait_s` after
+        the first for the others), rows padded to ``max_batch * B``."""
         rand = random.Random(self.seed * 7919)
-        max_batch = self.max_batch
-        bsz = self.plan.batch_size
+        slots, wait_s = self._slots, self.batch_wait_s
+        per_env = self._run_steps * self.plan.num_epochs * self.plan.num_chunks
+        asks = [per_env] * len(self.envs)  # action requests each rank has still to make
+        ready: list[tuple] = []  # (env index, key, obs): action requests to serve
         served = 0
+
+        def take(item: tuple) -> None:
+            i, key, obs, pending = item
+            if pending is not None:
+                with self._lock:
+                    params = self._params
+                self._complete(pending, params, rand, ctx)
+            if key is not None:
+                asks[i] -= 1
+                ready.append((i, key, obs))
+
         while served < count:
-            batch = [self._get(self._requests)]
-            while len(batch) < max_batch:
-                try:
-                    batch.append(self._requests.get_nowait())
-                except queue.Empty:
-                    break
-            served += len(batch)
-            with self._lock:
-                params, version = self._params, self._version
-            for _, _, _, pending in batch:
-                if pending is not None:
-                    self._complete(pending, params, rand, ctx)
-            batch = [b for b in batch if b[1] is not None]  # requests for actions
-            if not batch:
+            take(self._get(self._requests))
+            served += 1
+            if not ready:
                 continue
-            ctx["key"] = batch[0][1]
-            obs = batch[0][2]
-            if len(batch) > 1:
-                obs = jax.tree.map(lambda *xs: np.concatenate(xs), *[b[2] for b in batch])
-            output = self.policy_fn(params, obs, self._rng(batch[0][1]))
-            output = stamp_versions(output, version, self._stamp)
-            for j, (i, key, o, _) in enumerate(batch):
-                ctx["key"] = key
-                own = output
-                if len(batch) > 1:
-                    own = jax.tree.map(lambda x, j=j: x[j * bsz : (j + 1) * bsz], output)
-                part = PolicyPart(TrajectorySource(key, bsz, 0), o, own)
-                self._check(part, key)  # before the env executes bad actions
-                self._put(self._replies[i], own.actions, "replies")
-                self._publish("policy_worker", part, rand)
+            deadline = time.monotonic() + wait_s
+            while served < count:
+                waiting = [i for i, n in enumerate(asks) if n and i not in {r[0] for r in ready}]
+                if len(ready) >= slots or not waiting:
+                    break
+                try:  # a request already queued is ready: no wait
+                    item = self._requests.get_nowait()
+                except queue.Empty:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    try:
+                        item = self._requests.get(timeout=min(left, _POLL_S))
+                    except queue.Empty:
+                        if self._stop.is_set():
+                            raise _Stopped from None
+                        continue
+                take(item)
+                served += 1
+            if ready:
+                self._serve(sorted(ready), rand, ctx)
+                ready.clear()
+
+    def _serve(self, batch: list[tuple], rand: random.Random, ctx: dict) -> None:
+        """One ``policy_fn`` call for the action requests ``batch`` (env index, key,
+        observation), each chunk's rows with its own row keys; reply and publish."""
+        bsz = self.plan.batch_size
+        with self._lock:
+            params, version = self._params, self._version
+        ctx["key"] = batch[0][1]
+        obs, rng = join_rows([o for _, _, o in batch], [self._rng(k) for _, k, _ in batch],
+                             self._slots)
+        output = stamp_versions(self.policy_fn(params, obs, rng), version, self._stamp)
+        for (i, key, o), own in zip(batch, split_rows(output, len(batch), bsz)):
+            ctx["key"] = key
+            part = PolicyPart(TrajectorySource(key, bsz, 0), o, own)
+            self._check(part, key)  # before the env executes bad actions
+            self._put(self._replies[i], own.actions, "replies")
+            self._publish("policy_worker", part, rand)
+        self.calls += 1
 
     # -- consumer --------------------------------------------------------------------
 
@@ -544,26 +600,15 @@ class DecoupledRunner(AsyncRunner):
       ``EnvPart.next_obs`` carries the true post-action observation as an explicit
       boundary override (what ``Trajectory.next_obs`` holds with
       ``collect_transitions``).
-    - **Batched policy**: the policy worker serves up to ``max_batch`` requests queued
-      by different env workers in one ``policy_fn`` call (rows concatenated, then split
-      back per key), so it runs at its own rate; the call's ``rng`` is the first
-      request's :func:`key_rng`, so sampled noise depends on how requests were batched.
 
-    Takes :class:`AsyncRunner`'s arguments, and:
-
-    Args:
-      max_batch: the most requests served by one policy call.
+    It batches as :class:`AsyncRunner` does (``max_batch``, ``batch_wait_s``: one
+    ``policy_fn`` call for every rank whose request is ready, each row with its own
+    key), and takes the same arguments.
 
     Example::
 
-        runner = DecoupledRunner(collector, envs, policy, params, max_batch=4)
+        runner = DecoupledRunner(collector, envs, policy, params, batch_wait_s=0.002)
         items = runner.run()
     """
 
     pipelined = True
-
-    def __init__(self, *args: Any, max_batch: int = 4, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        if max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-        self.max_batch = max_batch
