@@ -31,26 +31,38 @@ from jax import lax
 
 @struct.dataclass
 class RunningEpisodes:
-    """Each environment's running episode: ``[B]`` (``[S, B]`` stacked) sums so far.
+    """Each environment's running episode: sums so far, one array (a single buffer in the
+    state, which every insert passes through).
 
     Attributes:
-      returns: float32, the environment's rewards summed since the episode began.
-      lengths: int32, actions executed since the episode began.
-      success: bool, a success flag was seen since the episode began.
+      sums: float32 ``[B, 3]`` (``[S, B, 3]`` stacked): the environment's rewards summed
+        since the episode began, the actions executed since then, and how many of
+        them flagged success (exact as float32 up to 2**24 actions).
+
+    :attr:`returns`, :attr:`lengths` and :attr:`success` read them.
     """
 
-    returns: jax.Array
-    lengths: jax.Array
-    success: jax.Array
+    sums: jax.Array
+
+    @property
+    def returns(self) -> jax.Array:
+        """float32 ``[B]``: the environment's rewards summed since the episode began."""
+        return self.sums[..., 0]
+
+    @property
+    def lengths(self) -> jax.Array:
+        """int32 ``[B]``: actions executed since the episode began."""
+        return self.sums[..., 1].astype(jnp.int32)
+
+    @property
+    def success(self) -> jax.Array:
+        """bool ``[B]``: a success flag was seen since the episode began."""
+        return self.sums[..., 2] > 0
 
 
 def init_running(batch_size: int) -> RunningEpisodes:
     """No episode under way: zeros for ``batch_size`` environments."""
-    return RunningEpisodes(
-        returns=jnp.zeros((batch_size,), jnp.float32),
-        lengths=jnp.zeros((batch_size,), jnp.int32),
-        success=jnp.zeros((batch_size,), bool),
-    )
+    return RunningEpisodes(sums=jnp.zeros((batch_size, 3), jnp.float32))
 
 
 @struct.dataclass
@@ -179,35 +191,29 @@ def episode_stats(
     # Time-major over (e, t, k): [N, B].
     tm = lambda x: jnp.moveaxis(x, 3, 2).reshape((E * T * k, B))
     ran_t = tm(ran)
-    r_t = jnp.where(ran_t, tm(rewards), 0.0)
     ended_t = tm(dones) & ran_t
-    n_t = ran_t.astype(jnp.int32)
-    s_t = (tm(success) & ran_t).astype(jnp.int32)
+    # The three sums at once, [N, B, 3]: rewards, executed actions, success flags.
+    x = jnp.stack([jnp.where(ran_t, tm(rewards), 0.0), ran_t.astype(jnp.float32),
+                   (tm(success) & ran_t).astype(jnp.float32)], axis=-1)
 
-    # Sums since the episode began, by cumulative sums reset at every end: the episode
-    # ending at n began after the last end before n (or carries the running sums).
+    # Sums since the episode began, from one cumulative sum: the episode ending at n
+    # began after the last end before n (or carries the running sums).
     idx = jnp.arange(E * T * k, dtype=jnp.int32)[:, None]
     last_end = lax.cummax(jnp.where(ended_t, idx, -1), axis=0)  # last end at or before n
     prev_end = jnp.concatenate([jnp.full((1, B), -1, jnp.int32), last_end[:-1]], axis=0)
-
-    def since_start(x, carried):
-        c = jnp.cumsum(x, axis=0)
-        at_prev = jnp.take_along_axis(c, jnp.maximum(prev_end, 0), axis=0)
-        return jnp.where(prev_end >= 0, c - at_prev, c + carried[None])
-
-    ret = since_start(r_t, running.returns)
-    length = since_start(n_t, running.lengths)
-    succ = since_start(s_t, running.success.astype(jnp.int32)) > 0
+    c = jnp.cumsum(x, axis=0)
+    at_prev = jnp.take_along_axis(c, jnp.maximum(prev_end, 0)[..., None], axis=0)
+    since = jnp.where((prev_end >= 0)[..., None], c - at_prev, c + running.sums[None])
 
     back = lambda x: jnp.moveaxis(x.reshape((E, T, k, B)), 2, 3)
     zero = lambda x: jnp.where(ended_t, x, jnp.zeros_like(x))
     stats = EpisodeStats(
         ended=back(ended_t),
-        returns=back(zero(ret)),
-        lengths=back(zero(length)),
+        returns=back(zero(since[..., 0])),
+        lengths=back(zero(since[..., 1].astype(jnp.int32))),
         terminated=back(ended_t & tm(terms)),
         truncated=back(ended_t & tm(truncs) & ~tm(terms)),
-        success=back(ended_t & succ),
+        success=back(ended_t & (since[..., 2] > 0)),
         env_rank=jnp.asarray(env_rank, jnp.int32),
         stage_id=jnp.asarray(stage_id, jnp.int32),
         step_id=jnp.asarray(step_id, jnp.int32),
@@ -215,14 +221,8 @@ def episode_stats(
     # After the step: the sums since the last end (all of them plus the carried sums
     # where none ended).
     last = last_end[-1]
-    def tail(x, carried):
-        c = jnp.cumsum(x, axis=0)
-        at_last = jnp.take_along_axis(c, jnp.maximum(last, 0)[None], axis=0)[0]
-        return jnp.where(last >= 0, c[-1] - at_last, c[-1] + carried)
-
+    at_last = jnp.take_along_axis(c, jnp.maximum(last, 0)[None, :, None], axis=0)[0]
     after = RunningEpisodes(
-        returns=tail(r_t, running.returns).astype(jnp.float32),
-        lengths=tail(n_t, running.lengths).astype(jnp.int32),
-        success=tail(s_t, running.success.astype(jnp.int32)) > 0,
+        sums=jnp.where((last >= 0)[:, None], c[-1] - at_last, c[-1] + running.sums)
     )
     return stats, after

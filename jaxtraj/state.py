@@ -54,8 +54,10 @@ class CollectorState:
         (``enable_rlt`` only).
       sources: ``[2]`` int32, the ``(env_rank, stage_id)`` this state holds.
       step: int32, the source's current training step.
-      error_code, error_key, error_count: the first rejection under ``jit``, its key
-        ``[5]``, and how many parts were rejected.
+      errors: ``[7]`` int32 (``[S, 7]`` stacked), the first rejection under ``jit``:
+        its code, how many parts were rejected, and its key (one buffer, which every
+        insert passes through; :attr:`error_code`, :attr:`error_count` and
+        :attr:`error_key` read it).
       episodes: each environment's running episode (``RunningEpisodes``, ``[B]``):
         the sums that the episode statistics of the next flush continue from.
     """
@@ -69,10 +71,23 @@ class CollectorState:
     next_rlt_given: jax.Array | None
     sources: jax.Array
     step: jax.Array
-    error_code: jax.Array
-    error_key: jax.Array
-    error_count: jax.Array
+    errors: jax.Array
     episodes: RunningEpisodes
+
+    @property
+    def error_code(self) -> jax.Array:
+        """int32 (``[S]`` stacked): the first rejection's :class:`ErrorCode`, ``0`` if none."""
+        return self.errors[..., 0]
+
+    @property
+    def error_count(self) -> jax.Array:
+        """int32 (``[S]`` stacked): how many parts were rejected."""
+        return self.errors[..., 1]
+
+    @property
+    def error_key(self) -> jax.Array:
+        """int32 ``[5]`` (``[S, 5]`` stacked): the first rejected part's key."""
+        return self.errors[..., 2:]
 
     @property
     def stacked(self) -> bool:
@@ -143,9 +158,7 @@ def _init_one(plan, policy_example, env_example, source, step_id) -> CollectorSt
         next_rlt_given=jnp.zeros((E, T, B), bool) if plan.enable_rlt else None,
         sources=jnp.asarray(source, jnp.int32),
         step=jnp.asarray(step_id, jnp.int32),
-        error_code=jnp.zeros((), jnp.int32),
-        error_key=jnp.zeros((5,), jnp.int32),
-        error_count=jnp.zeros((), jnp.int32),
+        errors=jnp.zeros((7,), jnp.int32),
         episodes=init_running(B),
     )
 
@@ -205,12 +218,14 @@ def record_error(state: CollectorState, code: jax.Array, key, s: Any = None) -> 
     """
     at = (lambda x: x[s]) if s is not None else (lambda x: x)
     put = (lambda x, v: x.at[s].set(v)) if s is not None else (lambda x, v: v)
-    first = (at(state.error_code) == 0) & (code != 0)
-    return state.replace(
-        error_code=put(state.error_code, jnp.where(first, code, at(state.error_code))),
-        error_key=put(state.error_key, jnp.where(first, _key_vector(key), at(state.error_key))),
-        error_count=put(state.error_count, at(state.error_count) + (code != 0).astype(jnp.int32)),
-    )
+    old = at(state.errors)  # [code, count, *key]
+    first = (old[0] == 0) & (code != 0)
+    new = jnp.concatenate([
+        jnp.where(first, code, old[0])[None].astype(jnp.int32),
+        (old[1] + (code != 0).astype(jnp.int32))[None],
+        jnp.where(first, _key_vector(key), old[2:]),
+    ])
+    return state.replace(errors=put(state.errors, new))
 
 
 def slot_complete(state: CollectorState) -> jax.Array:

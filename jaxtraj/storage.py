@@ -340,9 +340,7 @@ class HostStorage:
             next_rlt_given=copy(st.next_rlt_given),
             sources=np.asarray(pick(mirror.sources), np.int32),
             step=np.asarray(pick(mirror.step), np.int32),
-            error_code=np.zeros(lay.error_code.shape, np.int32),
-            error_key=np.zeros(lay.error_key.shape, np.int32),
-            error_count=np.zeros(lay.error_count.shape, np.int32),
+            errors=np.zeros(lay.errors.shape, np.int32),
             episodes=jax.tree.map(np.copy, self._episodes[i]),
         )
         return full

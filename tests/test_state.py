@@ -31,7 +31,7 @@ def test_init_on_abstract_inputs():
     chex.assert_shape(shapes.initial.terminations, (2, E, B))
     chex.assert_shape([shapes.policy_rows, shapes.env_rows], (2, E, T, B))
     chex.assert_shape(shapes.sources, (2, 2))
-    for counter in (shapes.step, shapes.error_code, shapes.error_count, shapes.sources):
+    for counter in (shapes.step, shapes.errors, shapes.sources):
         assert counter.dtype == jnp.int32
     assert shapes.next_obs_given is None and shapes.env.next_obs is None
     # One source: no leading axis; equals the concrete init's structure.
