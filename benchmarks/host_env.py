@@ -193,19 +193,22 @@ def sleep_env():
     import gymnasium
     from gymnasium.wrappers import TimeLimit
 
+    # Locals, not globals: a Ray actor gets this function pickled by value.
+    sleep_s, obs_n, act_n = SLEEP_S, SLEEP_OBS, SLEEP_ACT
+
     class Sleep1ms(gymnasium.Env):
-        observation_space = gymnasium.spaces.Box(-np.inf, np.inf, (SLEEP_OBS,), np.float32)
-        action_space = gymnasium.spaces.Box(-1.0, 1.0, (SLEEP_ACT,), np.float32)
+        observation_space = gymnasium.spaces.Box(-np.inf, np.inf, (obs_n,), np.float32)
+        action_space = gymnasium.spaces.Box(-1.0, 1.0, (act_n,), np.float32)
 
         def reset(self, *, seed=None, options=None):
             super().reset(seed=seed)
-            self.x = self.np_random.normal(size=SLEEP_OBS).astype(np.float32)
+            self.x = self.np_random.normal(size=obs_n).astype(np.float32)
             return self.x.copy(), {}
 
         def step(self, action):
-            time.sleep(SLEEP_S)
+            time.sleep(sleep_s)
             a = np.asarray(action, np.float32)
-            self.x = (0.99 * self.x + 0.01 * np.resize(a, SLEEP_OBS)).astype(np.float32)
+            self.x = (0.99 * self.x + 0.01 * np.resize(a, obs_n)).astype(np.float32)
             return self.x.copy(), float(-np.square(self.x).sum()), False, False, {}
 
     return TimeLimit(Sleep1ms(), SLEEP_STEPS)
