@@ -77,14 +77,15 @@ class TrajectorySource:
 
     Attributes:
       key: the chunk's :class:`TrajectoryKey`.
-      batch_size: ``B``, rows of the whole logical source batch.
+      batch_size: ``B``, rows of the whole logical source batch (a Python int on the
+        host, an int32 array under ``jit`` or on a stacked part).
       offset: first source row this fragment holds; it holds
         ``[offset, offset + rows)`` where ``rows`` is its payload's leading size.
     """
 
     key: TrajectoryKey
-    batch_size: Any
-    offset: Any = 0
+    batch_size: int | Array
+    offset: int | Array = 0
 
 
 def rows_of(payload: PyTree) -> int:
