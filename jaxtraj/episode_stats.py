@@ -149,7 +149,10 @@ def _per_slot(x: Any, k: int, at: int, dtype: Any, rows_ndim: int = 3) -> jax.Ar
     x = jnp.asarray(x, dtype)
     if x.ndim > rows_ndim:
         return x
-    return jnp.zeros(x.shape + (k,), dtype).at[..., at].set(x)
+    if k == 1:
+        return x[..., None]
+    slot = jnp.arange(k) == (at % k)  # elementwise, no scatter: it fuses
+    return jnp.where(slot, x[..., None], jnp.zeros((), dtype))
 
 
 def episode_stats(
