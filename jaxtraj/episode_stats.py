@@ -191,41 +191,46 @@ def episode_stats(
     rewards = _per_slot(tr.rewards, k, 0, jnp.float32)
 
     E, T, B = lead
-    # Time-major over (e, t, k): [N, B].
-    tm = lambda x: jnp.moveaxis(x, 3, 2).reshape((E * T * k, B))
-    ran_t = tm(ran)
-    ended_t = tm(dones) & ran_t
-    # The three sums at once, [N, B, 3]: rewards, executed actions, success flags.
-    x = jnp.stack([jnp.where(ran_t, tm(rewards), 0.0), ran_t.astype(jnp.float32),
-                   (tm(success) & ran_t).astype(jnp.float32)], axis=-1)
+    ET = E * T
+    flat = lambda v: v.reshape((ET, B, k))  # time: over (e, t), then the chunk's actions
+    ran_f = flat(ran)
+    ended = flat(dones) & ran_f
+    # The three sums at once, [3, ET, B, K]: rewards, executed actions, success flags.
+    x = jnp.stack([jnp.where(ran_f, flat(rewards), 0.0), ran_f.astype(jnp.float32),
+                   (flat(success) & ran_f).astype(jnp.float32)])
 
-    # Sums since the episode began, from one cumulative sum: the episode ending at n
-    # began after the last end before n (or carries the running sums).
-    idx = jnp.arange(E * T * k, dtype=jnp.int32)[:, None]
-    last_end = lax.cummax(jnp.where(ended_t, idx, -1), axis=0)  # last end at or before n
-    prev_end = jnp.concatenate([jnp.full((1, B), -1, jnp.int32), last_end[:-1]], axis=0)
-    c = jnp.cumsum(x, axis=0)
-    at_prev = jnp.take_along_axis(c, jnp.maximum(prev_end, 0)[..., None], axis=0)
-    since = jnp.where((prev_end >= 0)[..., None], c - at_prev, c + running.sums[None])
+    # Sums since the episode began, by a segmented scan: an episode starts at the slot
+    # after each end. Two levels (the actions of each chunk, then the chunks), so no
+    # axis is moved; slots before a row's first start continue the running sums.
+    def segmented(a, b):  # (reset seen, sum since the last reset), a before b
+        return a[0] | b[0], jnp.where(b[0], b[1], a[1] + b[1])
 
-    back = lambda x: jnp.moveaxis(x.reshape((E, T, k, B)), 2, 3)
-    zero = lambda x: jnp.where(ended_t, x, jnp.zeros_like(x))
+    after_chunk = jnp.concatenate([jnp.zeros((1, B), bool), ended[:-1, :, -1]])
+    starts = jnp.concatenate([after_chunk[..., None], ended[..., :-1]], axis=-1)[None]
+    reset_k, since_k = lax.associative_scan(segmented, (starts, x), axis=3)  # in chunks
+    reset_t, since_t = lax.associative_scan(
+        segmented, (reset_k[..., -1], since_k[..., -1]), axis=1)  # over chunks
+    reset_before = jnp.concatenate([jnp.zeros((1, 1, B), bool), reset_t[:, :-1]], axis=1)
+    since_before = jnp.concatenate([jnp.zeros((3, 1, B)), since_t[:, :-1]], axis=1)
+    since_before = since_before + jnp.where(reset_before, 0.0, running.sums.T[:, None])
+    since = since_k + jnp.where(reset_k, 0.0, since_before[..., None])  # [3, ET, B, K]
+
+    back = lambda v: v.reshape((E, T, B, k))
+    zero = lambda v: back(jnp.where(ended, v, jnp.zeros_like(v)))
     stats = EpisodeStats(
-        ended=back(ended_t),
-        returns=back(zero(since[..., 0])),
-        lengths=back(zero(since[..., 1].astype(jnp.int32))),
-        terminated=back(ended_t & tm(terms)),
-        truncated=back(ended_t & tm(truncs) & ~tm(terms)),
-        success=back(ended_t & (since[..., 2] > 0)),
+        ended=back(ended),
+        returns=zero(since[0]),
+        lengths=zero(since[1].astype(jnp.int32)),
+        terminated=back(ended & flat(terms)),
+        truncated=back(ended & flat(truncs) & ~flat(terms)),
+        success=back(ended & (since[2] > 0)),
         env_rank=jnp.asarray(env_rank, jnp.int32),
         stage_id=jnp.asarray(stage_id, jnp.int32),
         step_id=jnp.asarray(step_id, jnp.int32),
     )
-    # After the step: the sums since the last end (all of them plus the carried sums
-    # where none ended).
-    last = last_end[-1]
-    at_last = jnp.take_along_axis(c, jnp.maximum(last, 0)[None, :, None], axis=0)[0]
+    # After the step: the sums of the episode still under way (none if the last slot
+    # ended one).
     after = RunningEpisodes(
-        sums=jnp.where((last >= 0)[:, None], c[-1] - at_last, c[-1] + running.sums)
+        sums=jnp.where(ended[-1, :, -1][:, None], 0.0, since[:, -1, :, -1].T)
     )
     return stats, after
