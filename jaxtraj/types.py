@@ -530,7 +530,8 @@ class EnvTransition:
         score = jnp.moveaxis(score, a, 0)  # [T, ..., B(, K)]
         T = lengths.shape[0]
         lengths = lengths.reshape(T, -1)  # [T, M]
-        src, dst = jnp.arange(T)[:, None, None], jnp.arange(T)[None, :, None]
+        steps = jnp.arange(T, dtype=jnp.int32)
+        src, dst = steps[:, None, None], steps[None, :, None]
         # gets[s, d, m]: chunk d gets chunk s's score (d before s, within s's length)
         gets = ((dst < src) & (src - dst < lengths[:, None])).astype(score.dtype)
         per_row = score.reshape((T, lengths.shape[1], -1))  # [T, M, K or 1]
