@@ -24,6 +24,7 @@ import sys
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxtraj import joiner
@@ -341,14 +342,16 @@ class HostStorage:
             sources=np.asarray(pick(mirror.sources), np.int32),
             step=np.asarray(pick(mirror.step), np.int32),
             errors=np.zeros(lay.errors.shape, np.int32),
-            episodes=jax.tree.map(np.copy, self._episodes[i]),
+            # A device copy (async): the flush may donate what it is given.
+            episodes=jax.tree.map(jnp.array, self._episodes[i]),
         )
         return full
 
     def after_flush(self, i: int, state: CollectorState) -> None:
         # Coverage is the mirror's; the buffers are renewed when the step ends. The
-        # running episodes move on.
-        self._episodes[i] = jax.tree.map(np.array, state.episodes)
+        # running episodes move on, kept where the flush left them: reading them back
+        # here would wait for the flush (the episode statistics) before the next add.
+        self._episodes[i] = state.episodes
 
     def renew(self, i: int) -> None:
         """State ``i``'s step ended: the buffers just handed out join the spares, and the
