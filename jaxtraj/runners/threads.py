@@ -6,6 +6,8 @@ Threads and queues::
     policy worker: one policy_fn call for every rank whose request is ready
     policy worker --actions (one reply queue per env rank, one reply at most)--> env worker r
     env workers, policy worker --parts (bounded)--> consumer --> TrajectoryCollector
+      (the policy worker puts the halves of one round, its policy halves and the env
+      halves it completed, as one item: one hand-off a round, not one a half)
     consumer --> on_flush(queue_key, item) | output_queue | the list run() returns
 
 The consumer is the thread that calls :meth:`AsyncRunner.run`: it is the only thread
@@ -38,6 +40,7 @@ randomness, env halves, version stamping, the consumer) lives in
 
 from __future__ import annotations
 
+import collections
 import heapq
 import queue
 import random
@@ -120,7 +123,9 @@ class AsyncRunner:
       on_flush: ``on_flush(queue_key, item)`` called for each flushed item; else
         ``output_queue.put((queue_key, item))``; else :meth:`run` returns the items.
       queue_size: bound of the parts queue (requests and replies need none: an env worker
-        has at most two requests and one reply outstanding).
+        has at most two requests and one reply outstanding). The halves the policy worker
+        publishes in one round (at most ``max_batch`` policy halves and the env halves
+        that rode with their requests) take one place.
       jitter_s: each part arrives ``uniform(0, jitter_s)`` after it is published
         (simulated transport delays, seeded by ``seed``): the consumer holds it back until
         it is due and takes parts in due order, so later parts overtake earlier ones,
@@ -221,6 +226,8 @@ class AsyncRunner:
         self._replies = [queue.SimpleQueue() for _ in self.envs]
         self._threads: list[threading.Thread] = []
         self._held: list = []  # parts in transit at the consumer (jitter_s): a heap
+        self._batch: collections.deque = collections.deque()  # a round's halves, not yet consumed
+        self._outbox: list = []  # the policy worker's halves of its current round
         self.max_qsize = {"requests": 0, "parts": 0, "replies": 0}
         self._consumer = Consumer(collector, on_flush, output_queue)
         # The buffers' layout (shapes only), to check each half in its own worker.
@@ -323,6 +330,8 @@ class AsyncRunner:
         )
         received = 0
         self._held = held = []  # (due, order, worker, part)
+        self._batch = batch = collections.deque()
+        self._outbox = []
         order = 0
         try:
             for t in self._threads:
@@ -345,6 +354,13 @@ class AsyncRunner:
                 if due:
                     heapq.heappush(held, (due, order, worker, part))
                     order += 1
+                    continue
+                if worker is None:  # the policy worker's round: (worker, half) pairs
+                    batch.extend(part)
+                    while batch:
+                        w, p = batch.popleft()
+                        received += 1
+                        consumer.consume(w, p)
                     continue
                 received += 1
                 consumer.consume(worker, part)
@@ -431,6 +447,21 @@ class AsyncRunner:
         due = time.monotonic() + rand.uniform(0.0, self.jitter_s) if self.jitter_s else 0.0
         self._put(self._parts, (due, worker, part), "parts")
 
+    def _emit(self, worker: str, part: Any, rand: random.Random) -> None:
+        """A half the policy worker publishes: with ``jitter_s``, at once (each half its
+        own transport delay); else kept for the round's one hand-off (:meth:`_flush`)."""
+        if self.jitter_s:
+            self._publish(worker, part, rand)
+        else:
+            self._outbox.append((worker, part))
+
+    def _flush(self) -> None:
+        """Publish the policy worker's halves of this round as one item (after the
+        round's replies: the env workers step before the consumer inserts)."""
+        if self._outbox:
+            self._put(self._parts, (0.0, None, self._outbox), "parts")
+            self._outbox = []
+
     def _check(self, part: Any, key: TrajectoryKey) -> None:
         """Structure check of a half in its producer's thread (cached by signature)."""
         self.collector.check_structure(part)
@@ -491,7 +522,7 @@ class AsyncRunner:
         done = complete_env_part(self.plan, self._layout, part, out, self.value_fn, params)
         if done is not part:  # final values added: check them (the env worker checked the rest)
             self._check(done, done.source.key)
-        self._publish(worker, done, rand)
+        self._emit(worker, done, rand)
 
     def _policy_worker(self, count: int, ctx: dict) -> None:
         """Serve every env rank's requests: terminal inference for env halves at once;
@@ -499,11 +530,9 @@ class AsyncRunner:
         is ready (up to :attr:`max_batch`, waiting at most :attr:`batch_wait_s` after
         the first for the others), rows padded to ``max_batch * B``."""
         rand = random.Random(self.seed * 7919)
-        slots, wait_s = self._slots, self.batch_wait_s
         per_env = self._run_steps * self.plan.num_epochs * self.plan.num_chunks
         asks = [per_env] * len(self.envs)  # action requests each rank has still to make
         ready: list[tuple] = []  # (env index, key, obs): action requests to serve
-        served = 0
 
         def take(item: tuple) -> None:
             i, key, obs, pending = item
@@ -515,10 +544,28 @@ class AsyncRunner:
                 asks[i] -= 1
                 ready.append((i, key, obs))
 
+        try:
+            self._rounds(count, ready, asks, take, rand, ctx)
+        finally:
+            if self._outbox:  # failed or stopped mid-round: what it made is drained
+                try:
+                    self._parts.put_nowait((0.0, None, self._outbox))
+                except queue.Full:
+                    pass
+                self._outbox = []
+
+    def _rounds(self, count: int, ready: list, asks: list, take: Callable, rand: random.Random,
+                ctx: dict) -> None:
+        """The policy worker's loop: a round takes the requests ready (up to the slots,
+        waiting at most :attr:`batch_wait_s`), serves them in one call, then publishes
+        the round's halves in one hand-off."""
+        slots, wait_s = self._slots, self.batch_wait_s
+        served = 0
         while served < count:
             take(self._get(self._requests))
             served += 1
             if not ready:
+                self._flush()
                 continue
             deadline = time.monotonic() + wait_s
             while served < count:
@@ -542,6 +589,7 @@ class AsyncRunner:
             if ready:
                 self._serve(sorted(ready), rand, ctx)
                 ready.clear()
+            self._flush()
 
     def _serve(self, batch: list[tuple], rand: random.Random, ctx: dict) -> None:
         """One ``policy_fn`` call for the action requests ``batch`` (env index, key,
@@ -558,7 +606,7 @@ class AsyncRunner:
             part = PolicyPart(TrajectorySource(key, bsz, 0), o, own)
             self._check(part, key)  # before the env executes bad actions
             self._put(self._replies[i], own.actions, "replies")
-            self._publish("policy_worker", part, rand)
+            self._emit("policy_worker", part, rand)
         self.calls += 1
 
     # -- consumer --------------------------------------------------------------------
@@ -566,13 +614,16 @@ class AsyncRunner:
     def _drain(self) -> None:
         """After a failure: insert the parts healthy workers already published (those in
         transit first, in due order)."""
-        held, self._held = sorted(self._held), []
+        held = [(0.0, n, w, p) for n, (w, p) in enumerate(self._batch)]
+        held += sorted(self._held)
+        self._batch, self._held = collections.deque(), []
         while True:
             try:
                 _, worker, part = self._parts.get_nowait()
-                held.append((0.0, len(held), worker, part))
             except queue.Empty:
                 break
+            pairs = part if worker is None else [(worker, part)]
+            held += [(0.0, len(held), w, p) for w, p in pairs]
         for _, _, worker, part in held:
             try:
                 self._consumer.consume(worker, part)
