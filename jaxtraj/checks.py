@@ -282,10 +282,9 @@ def _check_interventions(state: Any, tr: EnvTransition, key: Any) -> None:
         )
 
 
-def check_reward_assign(tr: EnvTransition, key: Any = None, lead: int = 0) -> None:
+def check_reward_assign(tr: EnvTransition, key: Any = None) -> None:
     """``reward_assign_lengths`` (when given) is integer ``[rows]`` beside a
-    ``reward_model_output``: the delayed score it assigns back. ``lead``: leading buffer
-    axes before the rows."""
+    ``reward_model_output``: the delayed score it assigns back."""
     lengths = tr.reward_assign_lengths
     if lengths is None:
         return
@@ -296,7 +295,7 @@ def check_reward_assign(tr: EnvTransition, key: Any = None, lead: int = 0) -> No
             "assigns the chunk's reward-model score back, and there is none",
         )
     shape, dtype = tuple(np.shape(lengths)), np.dtype(getattr(lengths, "dtype", np.int64))
-    rows = tuple(np.shape(tr.reward_model_output))[: lead + 1]
+    rows = tuple(np.shape(tr.reward_model_output))[:1]
     if dtype.kind not in "iu" or shape != rows:
         raise CollectorError(
             key, ErrorCode.STRUCTURE_MISMATCH,
@@ -307,10 +306,7 @@ def check_reward_assign(tr: EnvTransition, key: Any = None, lead: int = 0) -> No
 
 
 def negative_lengths(xp: Any, tr: EnvTransition) -> Any:
-    """``[rows]`` bool, the rows whose ``reward_assign_lengths`` is negative (all false
-    without them)."""
-    if tr.reward_assign_lengths is None:
-        return False
+    """``[rows]`` bool, the rows whose ``reward_assign_lengths`` is negative."""
     return xp.asarray(tr.reward_assign_lengths) < 0
 
 

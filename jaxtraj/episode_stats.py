@@ -211,8 +211,9 @@ def episode_stats(
     reset_t, since_t = lax.associative_scan(
         segmented, (reset_k[..., -1], since_k[..., -1]), axis=1)  # over chunks
     reset_before = jnp.concatenate([jnp.zeros((1, 1, B), bool), reset_t[:, :-1]], axis=1)
-    since_before = jnp.concatenate([jnp.zeros((3, 1, B), jnp.float32), since_t[:, :-1]], axis=1)
-    since_before = since_before + jnp.where(reset_before, 0.0, running.sums.T[:, None].astype(jnp.float32))
+    carried = jnp.asarray(running.sums, jnp.float32).T[:, None]  # [3, 1, B]
+    since_before = jnp.concatenate([jnp.zeros_like(carried), since_t[:, :-1]], axis=1)
+    since_before = since_before + jnp.where(reset_before, 0.0, carried)
     since = since_k + jnp.where(reset_k, 0.0, since_before[..., None])  # [3, ET, B, K]
 
     back = lambda v: v.reshape((E, T, B, k))

@@ -123,3 +123,28 @@ def assert_same(a, b):
 def snapshot(state):
     """A host copy of every leaf, safe from later donation or in-place writes."""
     return jax.tree.map(lambda x: np.array(x, copy=True), state)
+
+
+def collect_one(plan, parts, examples=None):
+    """The one item a facade fed ``parts`` in their order flushes (examples: the first
+    two parts unless given)."""
+    c = TrajectoryCollector(plan, *(examples or parts[:2]))
+    out = [item for p in parts for item in c.add(p)]
+    assert len(out) == 1, f"{len(out)} items flushed"
+    return out[0][1]
+
+
+def collect_jit(plan, parts, examples=None):
+    """The same through the jitted pure functions and a jitted rollout flush; any error
+    the state records is raised."""
+    import jaxtraj
+
+    add_p = jax.jit(jaxtraj.add_policy, static_argnums=0)
+    add_e = jax.jit(jaxtraj.add_env, static_argnums=0)
+    state = jaxtraj.init(plan, *(examples or parts[:2]))
+    for p in parts:
+        state = (add_p if isinstance(p, PolicyPart) else add_e)(plan, state, p)
+    jaxtraj.raise_if_error(state)
+    traj, state = jax.jit(jaxtraj.rollout.flush, static_argnums=0)(plan, state, 0)
+    jaxtraj.raise_if_error(state)
+    return traj

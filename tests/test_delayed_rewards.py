@@ -14,6 +14,7 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
+from helpers import collect_jit, collect_one
 
 import jaxtraj
 from jaxtraj import EnvPart, EnvTransition, PolicyPart
@@ -81,25 +82,7 @@ def parts(rm=RM, lengths=LENGTHS, env_r=ENV_R, epochs=1, valid=None):
     return out
 
 
-def facade(plan, ps):
-    c = jaxtraj.TrajectoryCollector(plan, ps[0], ps[1])
-    out = []
-    for p in ps:
-        out += c.add(p)
-    assert len(out) == 1
-    return out[0][1]
-
-
-def pure(plan, ps, examples=None):
-    add_p = jax.jit(jaxtraj.add_policy, static_argnums=0)
-    add_e = jax.jit(jaxtraj.add_env, static_argnums=0)
-    state = jaxtraj.init(plan, *(examples or ps[:2]))
-    for p in ps:
-        state = (add_p if isinstance(p, PolicyPart) else add_e)(plan, state, p)
-    jaxtraj.raise_if_error(state)
-    traj, state = jax.jit(jaxtraj.rollout.flush, static_argnums=0)(plan, state, 0)
-    jaxtraj.raise_if_error(state)
-    return traj
+facade, pure = collect_one, collect_jit
 
 
 def test_the_reference_gives_the_hand_values():
@@ -161,9 +144,7 @@ def test_fragments_in_shuffled_order():
     frags = [f for p in ps for f in p.split([1, 1])]
     order = np.random.default_rng(11).permutation(len(frags))
     shuffled = [frags[i] for i in order]
-    c = jaxtraj.TrajectoryCollector(PLAN, ps[0], ps[1])
-    out = [item for f in shuffled for item in c.add(f)]
-    np.testing.assert_allclose(np.asarray(out[0][1].rewards)[0], BY_HAND)
+    np.testing.assert_allclose(np.asarray(facade(PLAN, shuffled, ps[:2]).rewards)[0], BY_HAND)
     np.testing.assert_allclose(np.asarray(pure(PLAN, shuffled, ps[:2]).rewards)[0], BY_HAND)
     merged = EnvPart.merge(frags[3:1:-1])
     np.testing.assert_array_equal(merged.transition.reward_assign_lengths, LENGTHS[0])

@@ -8,6 +8,7 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
+from helpers import collect_jit, collect_one
 
 import jaxtraj
 from jaxtraj import EnvPart, EnvTransition, PolicyPart
@@ -46,24 +47,7 @@ def rparts(rm=None):
     return out
 
 
-def facade(plan, ps):
-    c = jaxtraj.TrajectoryCollector(plan, ps[0], ps[1])
-    out = []
-    for p in ps:
-        out += c.add(p)
-    assert len(out) == 1
-    return out[0][1]
-
-
-def pure(plan, ps):
-    add_p = jax.jit(jaxtraj.add_policy, static_argnums=0)
-    add_e = jax.jit(jaxtraj.add_env, static_argnums=0)
-    state = jaxtraj.init(plan, ps[0], ps[1])
-    for p in ps:
-        state = (add_p if isinstance(p, PolicyPart) else add_e)(plan, state, p)
-    jaxtraj.raise_if_error(state)
-    traj, state = jax.jit(jaxtraj.rollout.flush, static_argnums=0)(plan, state, 0)
-    return traj
+facade, pure = collect_one, collect_jit
 
 
 # -- the reward-weight rule ------------------------------------------------------------------
