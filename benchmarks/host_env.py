@@ -64,6 +64,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import pathlib
@@ -104,20 +105,27 @@ ENVS = {
     "sleep1ms": dict(kind="sleep", task="Sleep1ms", B=8),
 }
 CONFIGS = [
-    "a", "a_adapter", "a_collector", "b", "b4", "c", "d", "d_actor", "d4", "a_1core", "b_1core",
-    "a_null", "b_null",
+    "a", "a_adapter", "a_collector", "b", "b_proc", "b4", "b4_proc", "c", "c_proc", "d",
+    "d_actor", "d4", "a_1core", "b_1core", "a_null", "b_null",
 ]
-ONLY = {"b4": {"sleep1ms"}, "d4": {"sleep1ms"}}  # configurations measured on some envs only
+# configurations measured on some envs only
+ONLY = {"b4": {"sleep1ms"}, "b4_proc": {"sleep1ms"}, "d4": {"sleep1ms"}}
 # On the latency-bound env: what is measured is overlap (the rest is the CPU-bound envs').
-SLEEP_CONFIGS = {"a", "b", "b4", "d", "d4"}
-RANKS = {"b4": 4, "d4": 4}
-# (env, configuration, reference configuration, the least ratio): issue 26's targets.
+SLEEP_CONFIGS = {"a", "b", "b_proc", "b4", "b4_proc", "d", "d4"}
+RANKS = {"b4": 4, "b4_proc": 4, "d4": 4}
+# (env, configuration, reference configuration, the least ratio): issue 26's targets, for
+# AsyncRunner with thread workers (b, b4) and process workers (b_proc, b4_proc) alike.
 TARGETS = [
     ("hopper", "b", "a", 1.0),
+    ("hopper", "b_proc", "a", 1.0),
     ("halfcheetah", "b", "a", 1.0),
+    ("halfcheetah", "b_proc", "a", 1.0),
     ("sleep1ms", "b", "a", 1.8),
+    ("sleep1ms", "b_proc", "a", 1.8),
     ("sleep1ms", "b4", "a", 3.4),
+    ("sleep1ms", "b4_proc", "a", 3.4),
     ("hopper", "d", "b", 0.9),
+    ("hopper", "d", "b_proc", 0.9),
     ("sleep1ms", "d4", "a", 3.0),
 ]
 REF = {"b_1core": "a_1core", "b_null": "a_null"}  # a second ratio, to a like-for-like (a)
@@ -126,8 +134,11 @@ LABELS = {
     "a_adapter": "(a) hand loop over the adapter",
     "a_collector": "(a') hand loop + collector.add",
     "b": "(b) AsyncRunner, 2 ranks",
+    "b_proc": "(b) AsyncRunner, 2 ranks, env processes",
     "b4": "(b4) AsyncRunner, 4 ranks",
+    "b4_proc": "(b4) AsyncRunner, 4 ranks, env processes",
     "c": "(c) DecoupledRunner, 2 ranks",
+    "c_proc": "(c) DecoupledRunner, 2 ranks, env processes",
     "d": "(d) RayRunner, 2 actors",
     "d_actor": "(d) RayRunner, 2 actors, policy in the actors",
     "d4": "(d4) RayRunner, 4 actors",
@@ -537,8 +548,9 @@ class Runner:
         factory = EnvFactory(spec["kind"], spec["task"], part, seed, camera)
         plan = TrajectoryPlan(num_chunks=T, num_epochs=E, batch_size=part, num_env_ranks=ranks)
         ray_runner = which.startswith("d")
-        probe = factory(0) if ray_runner else None
-        envs = [factory(r) for r in range(ranks)] if not ray_runner else None
+        elsewhere = ray_runner or which.endswith("_proc")  # envs built in other processes
+        probe = factory(0) if elsewhere else None
+        envs = [factory(r) for r in range(ranks)] if not elsewhere else None
         if null is not None:
             envs = [NullEnv(null, camera) for _ in range(ranks)]
         spec_env = probe if probe is not None else envs[0]
@@ -558,8 +570,14 @@ class Runner:
                 self.collector, factory, policy_fn, params, value_fn=value_fn, seed=seed, **opts
             )
         else:
-            cls = DecoupledRunner if which == "c" else AsyncRunner
-            self.runner = cls(self.collector, envs, policy_fn, params, value_fn=value_fn, seed=seed)
+            cls = DecoupledRunner if which.startswith("c") else AsyncRunner
+            opts = {}
+            if which.endswith("_proc"):  # each rank's env built and stepped in its process
+                probe.close()
+                envs = [functools.partial(factory, r) for r in range(ranks)]
+                opts["env_workers"] = "process"
+            self.runner = cls(self.collector, envs, policy_fn, params, value_fn=value_fn,
+                              seed=seed, **opts)
         self.items = 0
 
     def run(self, steps):

@@ -1,7 +1,7 @@
 """A MuJoCo camera rendered through AsyncRunner (issue 26, item 1): an env built in the main
 thread and stepped in a worker renders black (MuJoCo's OpenGL context is current only in the
-thread that made it); an env built by a factory, in the thread that steps it, renders what the
-main thread renders. In a fresh process with MUJOCO_GL=osmesa (.ci/run installs OSMesa);
+thread that made it); an env built by a factory, in the thread (or process) that steps it, renders
+what the main thread renders. In a fresh process with MUJOCO_GL=osmesa (.ci/run installs OSMesa);
 skipped, saying why, where this machine cannot render."""
 
 from __future__ import annotations
@@ -28,8 +28,10 @@ def test_a_factory_built_env_renders_the_main_threads_frames_through_the_runner(
         pytest.skip(f"MuJoCo cannot render here (apt-get install libosmesa6): {out['unavailable']}")
     assert out["main_mean"] > 0.5, out  # the scene is not black from the main thread
     factory = out["factory"]
-    # Not black, and as close to the main thread's frames as two main-thread renders are.
-    assert factory["mean"] > 0.5 * out["main_mean"], out
-    assert factory["mad"] <= 3 * out["main_mad"] + 0.5, out
+    # Not black, and as close to the main thread's frames as two main-thread renders are:
+    # built in a thread of its own, or in a process of its own.
+    for built in (factory, out["process"]):
+        assert built["mean"] > 0.5 * out["main_mean"], out
+        assert built["mad"] <= 3 * out["main_mad"] + 0.5, out
     # What a user got before: built in the main thread, rendered from a worker thread.
     assert out["built_in_main"]["mean"] < factory["mean"], out

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import os
 import pathlib
 import random
 import threading
@@ -373,13 +375,19 @@ def run_steps(cls, steps, per_call=False, **kw):
         rows.append(rng.shape[0])
         return policy_fn(params, obs, rng)
 
-    envs = [PointEnv(r, critic=False, delay_s=kw.pop("env_delay_s", 0.0)) for r in range(RANKS)]
+    delay_s = kw.pop("env_delay_s", 0.0)
+    if kw.get("env_workers") == "process":  # factories, built in the envs' processes
+        envs = [functools.partial(PointEnv, r, critic=False, delay_s=delay_s)
+                for r in range(RANKS)]
+    else:
+        envs = [PointEnv(r, critic=False, delay_s=delay_s) for r in range(RANKS)]
     runner = cls(make_collector(), envs, counting, PARAMS, value_fn=value_fn, seed=SEED,
                  num_steps=steps, **kw)
     items, calls = [], 0
-    for _ in range(steps if per_call else 1):
-        items += runner.run(num_steps=1 if per_call else steps)
-        calls += runner.calls
+    with runner:
+        for _ in range(steps if per_call else 1):
+            items += runner.run(num_steps=1 if per_call else steps)
+            calls += runner.calls
     assert runner_threads() == []
     return {(int(tr.step_id), int(tr.env_rank)): tr for _, tr in items}, calls, rows
 
@@ -613,3 +621,108 @@ def test_env_factories_run_in_a_thread_of_their_own_and_bad_ones_name_the_rank()
             AsyncRunner(make_collector(), [lambda: Closing(0), bad], policy_fn, PARAMS)
         assert info.value.worker == "env_worker_1"
     assert closed == [0, 0]  # the rank built before the bad one was closed both times
+
+
+# --------------------------------------------------------------------------- env processes
+
+
+class PidEnv(PointEnv):
+    """A PointEnv that records the process it was built in and each step ran in."""
+
+    def __init__(self, rank, **kw):
+        super().__init__(rank, **kw)
+        self.built_pid, self.step_pids = os.getpid(), set()
+
+    def step(self, key, actions):
+        self.step_pids.add(os.getpid())
+        return super().step(key, actions)
+
+
+class DyingEnv(PointEnv):
+    """A PointEnv whose process exits (as a segfaulting simulator's would) at one key."""
+
+    def __init__(self, rank, die_at):
+        super().__init__(rank)
+        self.die_at = die_at
+
+    def step(self, key, actions):
+        if key.as_tuple() == self.die_at:
+            os._exit(3)
+        return super().step(key, actions)
+
+
+def test_process_workers_build_and_step_each_env_in_its_process_with_the_same_trajectories():
+    """env_workers="process": each factory runs in a process of its own, which every step
+    runs in; the trajectories are the synchronous loop's, batched (a long wait) or not (no
+    wait, random env delays, jitter), across run(num_steps=1) calls; DecoupledRunner's are
+    its thread workers'. (A process costs seconds to start here: few are started.)"""
+    steps = 3
+    ref = sync_reference(steps)
+    envs = [functools.partial(PidEnv, r, delay_s=0.003) for r in range(RANKS)]
+    runner = AsyncRunner(make_collector(), envs, policy_fn, PARAMS, seed=SEED,
+                         env_workers="process", batch_wait_s=5.0)
+    with runner:
+        got, calls = {}, []
+        for s in range(steps):
+            if s == 1:  # rarely batched from here on
+                runner.batch_wait_s, runner.jitter_s = 0.0, 0.003
+            got.update({(int(tr.step_id), int(tr.env_rank)): tr for _, tr in runner.run()})
+            calls.append(runner.calls)
+        pids = [env.built_pid for env in runner.envs]
+        assert len(set(pids)) == RANKS and os.getpid() not in pids
+        assert [env.step_pids for env in runner.envs] == [{p} for p in pids]
+        assert runner_threads() == []  # one worker thread a run, no thread per env
+    assert calls[0] == E * T and max(calls[1:]) > E * T  # batched, then not always
+    assert sorted(got) == sorted(ref)
+    for k in ref:
+        assert_same(got[k], ref[k])
+    assert all(not env._process.is_alive() for env in runner.envs)  # closed by the with
+    noisy = dict(batch_wait_s=0.0, env_delay_s=0.004, jitter_s=0.003)
+    threads, _, _ = run_steps(DecoupledRunner, 2, per_call=True, batch_wait_s=5.0)
+    procs, _, _ = run_steps(DecoupledRunner, 2, per_call=True, env_workers="process", **noisy)
+    assert sorted(procs) == sorted(threads)
+    for k in threads:
+        assert_same(procs[k], threads[k])
+
+
+def _locked_factory():
+    lock = threading.Lock()  # no pickler sends a lock to another process
+    return lambda: (lock, PointEnv(1))[1]
+
+
+def test_process_workers_bad_factories_and_crashes_name_the_rank():
+    from jaxtraj.runners.bound import ProcessBoundEnv
+
+    with pytest.raises(RunnerError, match="env_worker_0.*give env rank 0 a factory"):
+        AsyncRunner(make_collector(), [PointEnv(0), functools.partial(PointEnv, 1)], policy_fn,
+                    PARAMS, env_workers="process")
+    with pytest.raises(ValueError, match="env_workers must be 'thread' or 'process'"):
+        AsyncRunner(make_collector(), [PointEnv(0)], policy_fn, PARAMS, env_workers="fork")
+    with pytest.raises(TypeError, match="env_worker_1: the env factory .* cannot be sent"):
+        ProcessBoundEnv(_locked_factory(), "env_worker_1")  # refused before any process
+    with pytest.raises(TypeError, match="env_worker_1: the env factory returned int, not an"):
+        ProcessBoundEnv(int, "env_worker_1")
+    # A factory that raises: a RunnerError naming the rank, its exception with the process's
+    # traceback as a note; the rank built first is closed.
+    with pytest.raises(RunnerError, match="env_worker_1.*ZeroDivisionError") as info:
+        AsyncRunner(make_collector(), [functools.partial(PointEnv, 0),
+                                       functools.partial(divmod, 1, 0)], policy_fn, PARAMS,
+                    env_workers="process")
+    assert "in the env's process" in "".join(getattr(info.value.cause, "__notes__", []))
+    assert jaxtraj_children() == []
+    # An env whose process dies mid-run (a crashing simulator): named, with the key.
+    fail = (0, 0, 1, 0, 1)
+    runner = AsyncRunner(make_collector(), [functools.partial(PointEnv, 0),
+                                            functools.partial(DyingEnv, 1, fail)], policy_fn,
+                         PARAMS, env_workers="process")
+    with runner, pytest.raises(RunnerError, match=r"process ended \(exit code 3\)") as info:
+        runner.run()
+    assert info.value.worker == "env_worker_1" and info.value.key == fail
+    assert runner_threads() == []
+    assert jaxtraj_children() == []
+
+
+def jaxtraj_children():
+    import multiprocessing
+
+    return [p for p in multiprocessing.active_children() if p.name.startswith("jaxtraj-")]

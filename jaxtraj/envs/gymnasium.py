@@ -227,6 +227,35 @@ class GymnasiumEnv(ChunkEnv):
         if policy_example is not None:
             self.check_against(policy_example)
 
+    @classmethod
+    def make(
+        cls,
+        env_id: str,
+        num_envs: int,
+        *,
+        actions_per_chunk: int,
+        make_kwargs: dict | None = None,
+        **kwargs: Any,
+    ) -> GymnasiumEnv:
+        """``GymnasiumEnv(gymnasium.make_vec(env_id, num_envs, vectorization_mode="sync",
+        **make_kwargs), actions_per_chunk=..., **kwargs)``: a factory a runner can call in
+        the thread or process that steps it (picklable as
+        ``functools.partial(GymnasiumEnv.make, "Hopper-v5", 4, actions_per_chunk=4,
+        seed=1000 * rank)``).
+
+        Args:
+          env_id: a registered gymnasium id (``"Hopper-v5"``).
+          num_envs: ``B``.
+          actions_per_chunk: ``K``.
+          make_kwargs: keyword arguments of ``gymnasium.make_vec`` (``render_mode``,
+            ``wrappers``, environment arguments, ...).
+          **kwargs: the adapter's (``seed``, ``chunk_end``, ``info_keys``, ...).
+        """
+        gym = require("gymnasium", "gymnasium", "jaxtraj.envs.GymnasiumEnv.make")
+        make_kwargs = {"vectorization_mode": "sync", **(make_kwargs or {})}
+        vec = gym.make_vec(env_id, num_envs=num_envs, **make_kwargs)
+        return cls(vec, actions_per_chunk=actions_per_chunk, **kwargs)
+
     @staticmethod
     def _serve_mode(gym: Any, vector: Any, vector_env: Any) -> str:
         version = tuple(int(p) for p in gym.__version__.split(".")[:2] if p.isdigit())

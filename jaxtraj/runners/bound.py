@@ -1,4 +1,4 @@
-"""Environments built, and always stepped, in one thread of their own.
+"""Environments built, and always stepped, in one thread, or one process, of their own.
 
 Simulators bind state to the thread that creates them: MuJoCo's OpenGL context (GLX, EGL,
 OSMesa) is current only in the thread that made it, so a camera rendered from another
@@ -8,14 +8,28 @@ factory runs in a dedicated thread, and every call the runner makes (``reset``,
 ``step``, ``spec``, ``check_against``, ``close``) is executed in that thread, whichever
 worker thread of whichever ``run()`` makes it. A hand-off costs one queue round trip per
 call (a chunk of ``K`` env steps is one call).
+
+:class:`ProcessBoundEnv` does the same in a process of its own (``env_workers="process"``
+of the host runners): a simulator stepped in Python holds the GIL, and threads of one
+process take turns at it, so CPU-bound Python environments only run in parallel with
+inference, and with each other, in processes.
 """
 
 from __future__ import annotations
 
+import functools
+import multiprocessing
+import os
+import pickle
 import queue
+import signal
 import threading
+import traceback
+import weakref
 from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 _STOP = object()
 
@@ -118,3 +132,309 @@ class ThreadBoundEnv:
         if name.startswith("_"):
             raise AttributeError(name)
         return getattr(self._env, name)
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def _dumps(obj: Any) -> bytes:
+    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _host(tree: Any) -> Any:
+    """Device arrays (``jax.Array``) in call arguments as numpy: what crosses to the
+    env's process is host data, and the process need not start a JAX backend."""
+    try:
+        import jax
+    except ImportError:  # pragma: no cover (jaxtraj depends on jax)
+        return tree
+    return jax.tree.map(lambda x: np.asarray(x) if isinstance(x, jax.Array) else x, tree)
+
+
+def _portable(exc: BaseException, tb: str) -> BaseException:
+    """An exception the parent can unpickle, with the child's traceback as a note:
+    ``exc`` itself where it round-trips, else a ``RuntimeError`` naming its type."""
+    try:
+        pickle.loads(_dumps(exc))
+    except Exception:  # noqa: BLE001 (its type's constructor does not take its args)
+        exc = RuntimeError(f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}")
+    exc.add_note(f"in the env's process:\n{tb.rstrip()}")
+    return exc
+
+
+def _env_process(conn: Any, payload: bytes, name: str) -> None:
+    """The env's process: build it, then execute calls until told to stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+
+    def reply(ok: bool, value: Any) -> None:
+        try:
+            conn.send_bytes(_dumps((ok, value)))
+        except Exception as exc:  # noqa: BLE001 (the value does not pickle)
+            err = TypeError(
+                f"{name}: the env's reply ({type(value).__name__}) cannot be sent to the "
+                f"runner's process: {type(exc).__name__}: {exc}"
+            )
+            conn.send_bytes(_dumps((False, err)))
+
+    try:
+        env = pickle.loads(payload)()
+        missing = [m for m in ("reset", "step") if not callable(getattr(env, m, None))]
+        if missing:
+            raise TypeError(
+                f"{name}: the env factory returned {type(env).__name__}, not an environment "
+                f"(it has no {' or '.join(missing)}()): return an env such as "
+                "jaxtraj.envs.GymnasiumEnv(...)"
+            )
+    except BaseException as exc:  # noqa: BLE001 (handed to the parent)
+        reply(False, _portable(exc, traceback.format_exc()))
+        return
+    reply(True, None)
+    while True:
+        try:
+            method, args, kwargs = pickle.loads(conn.recv_bytes())
+        except EOFError:  # the parent has gone
+            return
+        if method is None:  # stop: close the env, say so, and exit without teardown
+            try:
+                close = getattr(env, "close", None)
+                if callable(close):
+                    close()
+            except BaseException as exc:  # noqa: BLE001 (reported, then the exit)
+                reply(False, _portable(exc, traceback.format_exc()))
+            else:
+                reply(True, None)
+            conn.close()
+            os._exit(0)  # the env is closed; an interpreter's teardown (JAX's) takes seconds
+        try:
+            if method == "__getattr__":
+                value = getattr(env, args[0])
+                # A method is called remotely (a proxy), never shipped with its env.
+                value = _Callable if callable(value) else value
+            elif method == "sub_env_seeds":
+                from jaxtraj.runners.service import sub_env_seeds
+
+                value = sub_env_seeds(env)
+            else:
+                value = getattr(env, method)(*args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 (raised in the parent)
+            reply(False, _portable(exc, traceback.format_exc()))
+            continue
+        reply(True, value)
+
+
+class _Callable:
+    """Marker: the attribute asked for is a method of the env (called remotely)."""
+
+
+class ProcessBoundEnv:
+    """An environment built by ``factory()`` in a process of its own; every method call
+    is executed there, its arguments and result pickled across a pipe.
+
+    What a simulator whose step is Python holding the GIL (gymnasium's MuJoCo
+    environments: about 40% of a Hopper step) needs to run in parallel with inference
+    and with the other ranks: threads of one process take turns at the GIL. A call
+    costs a pipe round trip and the pickling of its arguments and result (a chunk of
+    ``K`` steps is one call: the chunk's actions in, its :class:`EnvStep` out).
+
+    The process is started with ``multiprocessing``'s ``spawn`` method (forking a
+    process that runs JAX's threads is unsafe): the factory must be picklable (a
+    module-level function, a class instance, a ``functools.partial`` of them; lambdas
+    and closures where ``cloudpickle`` is installed), and a script that builds runners
+    with process workers must guard its entry point with ``if __name__ == "__main__":``
+    (the process imports the script's module).
+
+    Args:
+      factory: builds the environment (``reset()``, ``step(key, actions)``) in the
+        env's process.
+      name: names the process (``jaxtraj-<name>``) and errors.
+      context: the ``multiprocessing`` start method.
+      wait: wait for the env to be built (else :meth:`wait_built` does, before the
+        first call).
+
+    Raises:
+      TypeError: the factory cannot be pickled, or returned something that is not an
+        environment.
+      Exception: whatever the factory raised, with the process's traceback as a note.
+      RuntimeError: (from any call) the env's process has ended.
+    """
+
+    def __init__(
+        self,
+        factory: Callable[[], Any],
+        name: str = "env",
+        context: str = "spawn",
+        wait: bool = True,
+    ):
+        self.name = name
+        payload = self._pickle_factory(factory)
+        ctx = multiprocessing.get_context(context)
+        self._conn, child = ctx.Pipe(duplex=True)
+        self._lock = threading.Lock()
+        self._process = ctx.Process(
+            target=_env_process, args=(child, payload, name), name=f"jaxtraj-{name}",
+            daemon=True,
+        )
+        self._process.start()
+        child.close()  # the child's end lives in the child: its exit closes the pipe
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _shutdown, self._conn, self._process)
+        self._built = False
+        if wait:
+            self.wait_built()
+
+    def wait_built(self) -> None:
+        """Wait until the factory has built the env in its process (``wait=False``
+        starts the process and returns at once: several envs build in parallel).
+
+        Raises:
+          TypeError, Exception: what the build raised (the process has ended).
+        """
+        if self._built:
+            return
+        with self._lock:
+            if self._built:
+                return
+            try:
+                self._receive()
+            except BaseException:
+                self._closed = True
+                self._finalizer()
+                raise
+            self._built = True
+
+    def _pickle_factory(self, factory: Callable[[], Any]) -> bytes:
+        try:
+            return _dumps(factory)
+        except Exception as exc:  # noqa: BLE001 (retried with cloudpickle, else explained)
+            try:
+                import cloudpickle
+            except ImportError:
+                cloudpickle = None
+            if cloudpickle is not None:
+                try:
+                    return cloudpickle.dumps(factory)
+                except Exception:  # noqa: BLE001
+                    pass
+            raise TypeError(
+                f"{self.name}: the env factory {factory!r} cannot be sent to the env's process "
+                f"({type(exc).__name__}: {exc}): give a module-level function, a class "
+                "instance or a functools.partial of one (or install cloudpickle for lambdas "
+                "and closures), or use thread workers"
+            ) from exc
+
+    def _receive(self) -> Any:
+        try:
+            data = self._conn.recv_bytes()
+        except (EOFError, OSError):
+            self._process.join(1.0)
+            raise RuntimeError(
+                f"{self.name}: the env's process ended (exit code {self._process.exitcode})"
+            ) from None
+        ok, value = pickle.loads(data)
+        if not ok:
+            raise value
+        return value
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``env.<method>(*args, **kwargs)``, executed in the env's process."""
+        self.wait_built()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"{self.name}: the env's process has ended (closed)")
+            message = _dumps((method, _host(args), _host(kwargs)))
+            try:
+                self._conn.send_bytes(message)
+            except (BrokenPipeError, OSError):
+                self._process.join(1.0)
+                raise RuntimeError(
+                    f"{self.name}: the env's process ended (exit code "
+                    f"{self._process.exitcode})"
+                ) from None
+            return self._receive()
+
+    def send(self, method: str, *args: Any, **kwargs: Any) -> None:
+        """Start ``env.<method>(*args, **kwargs)`` in the env's process and return at once;
+        :meth:`receive` returns its result. For one caller (a runner's worker) that
+        keeps its sends and receives in step; :meth:`call` is both."""
+        self.wait_built()
+        if self._closed:
+            raise RuntimeError(f"{self.name}: the env's process has ended (closed)")
+        try:
+            self._conn.send_bytes(_dumps((method, _host(args), _host(kwargs))))
+        except (BrokenPipeError, OSError):
+            self._process.join(1.0)
+            raise RuntimeError(
+                f"{self.name}: the env's process ended (exit code {self._process.exitcode})"
+            ) from None
+
+    def receive(self) -> Any:
+        """The result of the oldest :meth:`send` not yet received (blocks until it is in:
+        ``multiprocessing.connection.wait([env.connection])`` tells when it is)."""
+        return self._receive()
+
+    @property
+    def connection(self) -> Any:
+        """The parent's end of the pipe (for ``multiprocessing.connection.wait``)."""
+        return self._conn
+
+    def reset(self, *args: Any, **kwargs: Any) -> Any:
+        return self.call("reset", *args, **kwargs)
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        return self.call("step", *args, **kwargs)
+
+    def spec(self) -> Any:
+        return self.call("spec")
+
+    def check_against(self, example: Any) -> None:
+        try:
+            check = self.call("__getattr__", "check_against")
+        except AttributeError:  # an env without one: checked on its first observation
+            return
+        if check is _Callable:
+            self.call("check_against", example)
+
+    def render(self, *args: Any, **kwargs: Any) -> Any:
+        return self.call("render", *args, **kwargs)
+
+    def sub_env_seeds(self) -> list[int] | None:
+        """The seeds the env gives its sub-environments (read in its process)."""
+        return self.call("sub_env_seeds")
+
+    def close(self) -> None:
+        """Close the env (in its process) and end the process."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        error = self._finalizer()
+        if error is not None:
+            raise error
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        value = self.call("__getattr__", name)
+        if value is _Callable:
+            return functools.partial(self.call, name)
+        return value
+
+
+def _shutdown(conn: Any, process: Any, timeout_s: float = 5.0) -> BaseException | None:
+    """Ask the env's process to close its env and exit; end it if it does not. Returns
+    what the env's ``close()`` raised, if anything."""
+    try:
+        if process.is_alive():
+            conn.send_bytes(_dumps((None, (), {})))
+            while conn.poll(timeout_s):  # a step still in flight answers first
+                ok, value = pickle.loads(conn.recv_bytes())
+                if not ok:
+                    return value
+    except (EOFError, OSError):
+        pass
+    finally:
+        process.join(timeout_s)
+        if process.is_alive():
+            process.terminate()
+            process.join(1.0)
+        conn.close()

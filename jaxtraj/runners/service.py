@@ -351,7 +351,12 @@ def check_env(env: Any, collector: TrajectoryCollector) -> None:
 def sub_env_seeds(env: Any) -> list[int] | None:
     """The seeds an env adapter gives its sub-environments, where it says: a
     ``GymnasiumEnv`` seeds sub-env ``i`` with ``seed + i``, an EnvPool pool env ``i`` with
-    its ``seed + i``; ``None`` where unknown or unseeded."""
+    its ``seed + i``; ``None`` where unknown or unseeded. An env that says itself
+    (``env.sub_env_seeds()``: a :class:`~jaxtraj.runners.bound.ProcessBoundEnv` reads
+    them in its process) is asked."""
+    own = getattr(env, "sub_env_seeds", None)
+    if callable(own):
+        return own()
     n = getattr(env, "num_envs", None)
     seed = getattr(env, "seed", None)
     if seed is None:  # an EnvPool pool: its config

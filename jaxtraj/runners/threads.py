@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 
 from jaxtraj.collector import TrajectoryCollector
-from jaxtraj.runners.bound import ThreadBoundEnv, is_factory
+from jaxtraj.runners.bound import ProcessBoundEnv, ThreadBoundEnv, is_factory
 from jaxtraj.runners.service import (  # noqa: F401  (re-exported: the public names)
     Consumer,
     Env,
@@ -145,6 +145,15 @@ class AsyncRunner:
         worker waits for the other ranks' before calling ``policy_fn`` with those
         that are ready (it never waits for a rank that has nothing left to ask). A
         performance knob only: the trajectories do not depend on it.
+      env_workers: where factories build and step their envs: ``"thread"`` (a thread
+        of the env's own, :class:`~jaxtraj.runners.bound.ThreadBoundEnv`) or
+        ``"process"`` (a process of its own,
+        :class:`~jaxtraj.runners.bound.ProcessBoundEnv`): what CPU-bound Python
+        simulators (gymnasium MuJoCo) need to run in parallel with inference and with
+        each other, as threads of one process share its GIL. Processes need picklable
+        factories and a script guarded by ``if __name__ == "__main__":``; a chunk costs
+        a pipe round trip. Trajectories do not depend on it. :meth:`close` (or ``with``)
+        ends the threads or processes.
 
     A runner carries across calls: each :meth:`run` collects the training steps after
     the previous one's, from where the environments are (no reset between calls), with
@@ -182,6 +191,7 @@ class AsyncRunner:
         allow_shared_seeds: bool = False,
         max_batch: int | None = None,
         batch_wait_s: float = 0.002,
+        env_workers: str = "thread",
     ):
         self.collector, self.plan = collector, collector.plan
         self.policy_fn, self.value_fn = policy_fn, value_fn
@@ -189,28 +199,35 @@ class AsyncRunner:
         self.env_ranks = list(range(len(envs)) if env_ranks is None else env_ranks)
         if len(self.env_ranks) != len(envs):
             raise ValueError(f"{len(envs)} envs but {len(self.env_ranks)} env_ranks")
-        self.envs = []
-        for env, r in zip(envs, self.env_ranks):
-            try:
-                self.envs.append(self._built(env, r))
-            except RunnerError:  # the ranks built so far stop cleanly
-                for built in self.envs:
-                    if isinstance(built, ThreadBoundEnv):
-                        built.close()
-                raise
+        if env_workers not in ("thread", "process"):
+            raise ValueError(f"env_workers must be 'thread' or 'process', got {env_workers!r}")
         if num_steps < 1:
             raise ValueError(f"num_steps must be >= 1, got {num_steps}")
-        for env in self.envs:
-            check_env(env, collector)  # spaces against the examples, before any thread
-        if not allow_shared_seeds:
-            check_seeds(self.envs, self.env_ranks)
-        self.num_steps, self.step_id, self.stage_id = num_steps, step_id, stage_id
-        self.seed, self.on_flush, self.output_queue = seed, on_flush, output_queue
-        self.jitter_s = jitter_s
         if max_batch is not None and max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if batch_wait_s < 0:
             raise ValueError(f"batch_wait_s must be >= 0, got {batch_wait_s}")
+        self.env_workers = env_workers
+        self.envs = []
+        try:
+            for env, r in zip(envs, self.env_ranks):
+                self.envs.append(self._built(env, r))
+            for env, r in zip(self.envs, self.env_ranks):  # processes build in parallel
+                if isinstance(env, ProcessBoundEnv):
+                    try:
+                        env.wait_built()
+                    except Exception as exc:
+                        raise RunnerError(f"env_worker_{r}", None, exc) from exc
+            for env in self.envs:
+                check_env(env, collector)  # spaces against the examples, before any thread
+            if not allow_shared_seeds:
+                check_seeds(self.envs, self.env_ranks)
+        except BaseException:  # the ranks built so far stop cleanly
+            self.close()
+            raise
+        self.num_steps, self.step_id, self.stage_id = num_steps, step_id, stage_id
+        self.seed, self.on_flush, self.output_queue = seed, on_flush, output_queue
+        self.jitter_s = jitter_s
         self.max_batch = len(self.envs) if max_batch is None else min(max_batch, len(self.envs))
         self._slots = self.max_batch
         self.batch_wait_s = batch_wait_s
@@ -311,23 +328,35 @@ class AsyncRunner:
         # chunk's env half. Without it env workers publish their halves themselves.
         terminal = (per_env if self.pipelined else 1) if self.value_fn is not None else 0
         requests = len(self.envs) * (per_env + terminal)
-        self._threads = [
-            threading.Thread(
-                target=self._guard,
-                args=(f"env_worker_{r}", self._env_worker, i),
-                name=f"jaxtraj-env_worker_{r}",
-                daemon=True,
+        if self.env_workers == "process":
+            # One thread serves every env process through its pipe (no env worker threads:
+            # fewer hand-offs, and fewer threads taking turns at the GIL).
+            self._threads = [
+                threading.Thread(
+                    target=self._guard,
+                    args=("policy_worker", self._process_worker, None),
+                    name="jaxtraj-policy_worker",
+                    daemon=True,
+                )
+            ]
+        else:
+            self._threads = [
+                threading.Thread(
+                    target=self._guard,
+                    args=(f"env_worker_{r}", self._env_worker, i),
+                    name=f"jaxtraj-env_worker_{r}",
+                    daemon=True,
+                )
+                for i, r in enumerate(self.env_ranks)
+            ]
+            self._threads.append(
+                threading.Thread(
+                    target=self._guard,
+                    args=("policy_worker", self._policy_worker, requests),
+                    name="jaxtraj-policy_worker",
+                    daemon=True,
+                )
             )
-            for i, r in enumerate(self.env_ranks)
-        ]
-        self._threads.append(
-            threading.Thread(
-                target=self._guard,
-                args=("policy_worker", self._policy_worker, requests),
-                name="jaxtraj-policy_worker",
-                daemon=True,
-            )
-        )
         received = 0
         self._held = held = []  # (due, order, worker, part)
         self._batch = batch = collections.deque()
@@ -379,13 +408,35 @@ class AsyncRunner:
         self.step_id += n
         return rank_order(consumer.kept)
 
+    def close(self) -> None:
+        """Close the environments this runner built from factories (their threads or
+        processes end); envs given built are the caller's to close. Idempotent; also on
+        leaving a ``with`` block."""
+        for env in getattr(self, "envs", []):
+            if isinstance(env, (ThreadBoundEnv, ProcessBoundEnv)):
+                env.close()
+
+    def __enter__(self) -> AsyncRunner:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
     def _built(self, env: Any, rank: int) -> Any:
-        """An env as given, or, for a factory, built in a thread of its own that every
-        later call to it runs in (:class:`~jaxtraj.runners.bound.ThreadBoundEnv`)."""
-        if not is_factory(env):
-            return env
+        """An env as given, or, for a factory, built in a thread (or process) of its own
+        that every later call to it runs in (:mod:`jaxtraj.runners.bound`)."""
         name = f"env_worker_{rank}"
+        if not is_factory(env):
+            if self.env_workers == "process":
+                raise RunnerError(name, None, TypeError(
+                    f"env_workers='process' builds each env in its own process: give env "
+                    f"rank {rank} a factory (a picklable callable returning the env), not "
+                    f"a built {type(env).__name__}"
+                ))
+            return env
         try:
+            if self.env_workers == "process":  # built in parallel: see wait_built
+                return ProcessBoundEnv(env, name, wait=False)
             return ThreadBoundEnv(env, name)
         except Exception as exc:
             raise RunnerError(name, None, exc) from exc
@@ -547,12 +598,16 @@ class AsyncRunner:
         try:
             self._rounds(count, ready, asks, take, rand, ctx)
         finally:
-            if self._outbox:  # failed or stopped mid-round: what it made is drained
-                try:
-                    self._parts.put_nowait((0.0, None, self._outbox))
-                except queue.Full:
-                    pass
-                self._outbox = []
+            self._leave_outbox()
+
+    def _leave_outbox(self) -> None:
+        """Failed or stopped mid-round: the halves made are left for the drain."""
+        if self._outbox:
+            try:
+                self._parts.put_nowait((0.0, None, self._outbox))
+            except queue.Full:
+                pass
+            self._outbox = []
 
     def _rounds(self, count: int, ready: list, asks: list, take: Callable, rand: random.Random,
                 ctx: dict) -> None:
@@ -605,9 +660,129 @@ class AsyncRunner:
             ctx["key"] = key
             part = PolicyPart(TrajectorySource(key, bsz, 0), o, own)
             self._check(part, key)  # before the env executes bad actions
-            self._put(self._replies[i], own.actions, "replies")
+            self._reply(i, key, own.actions)
             self._emit("policy_worker", part, rand)
         self.calls += 1
+
+    def _reply(self, i: int, key: TrajectoryKey, actions: Any) -> None:
+        """Hand chunk ``key``'s actions to env ``i``: its worker thread's reply queue,
+        or (``env_workers="process"``) the env's process, which starts the step (held
+        until the step in flight is back, when pipelined)."""
+        if self.env_workers != "process":
+            self._put(self._replies[i], actions, "replies")
+        elif self._stepping[i] is not None:
+            self._held_actions[i] = (key, actions)
+        else:
+            self._send_step(i, key, actions, self._carry[i][0])
+
+    def _send_step(self, i: int, key: TrajectoryKey, actions: Any, obs: PyTree) -> None:
+        """Start env ``i``'s step of chunk ``key`` in its process; pipelined, ask for the
+        next chunk's actions from ``obs``, the observation the env has as it starts."""
+        try:
+            self.envs[i].send("step", key, actions)
+        except Exception as exc:
+            raise RunnerError(f"env_worker_{self.env_ranks[i]}", key.as_tuple(), exc) from exc
+        self._stepping[i] = key
+        if self.pipelined:
+            self._ask(i, obs)
+
+    def _ask(self, i: int, obs: PyTree) -> None:
+        """Env ``i``'s next action request (from ``obs``), if it has one left to make."""
+        if self._asked[i] < self._per_env:
+            self._ready.append((i, self._key(self.env_ranks[i], self._asked[i]), obs))
+            self._asked[i] += 1
+
+    def _process_worker(self, _: Any, ctx: dict) -> None:
+        """``env_workers="process"``: one thread is every env rank's worker and the policy
+        worker. It takes each executed chunk from its env's process (whichever is in
+        first), completes and checks its env half as the env workers and the policy
+        worker would, and serves the ranks whose observation is ready in one
+        ``policy_fn`` call (:attr:`max_batch`, :attr:`batch_wait_s`), sending each its
+        actions; the env processes step meanwhile. The same requests, keys and rows as
+        the threads' (pipelined too), so the same trajectories."""
+        try:
+            self._serve_processes(ctx)
+        finally:
+            self._leave_outbox()
+
+    def _serve_processes(self, ctx: dict) -> None:
+        from multiprocessing.connection import wait
+
+        plan, n_env = self.plan, len(self.envs)
+        self._per_env = per_env = self._run_steps * plan.num_epochs * plan.num_chunks
+        rand = random.Random(self.seed * 7919)
+        rands = [random.Random(self.seed * 7919 + 2 * i + 1) for i in range(n_env)]
+        names = [f"env_worker_{r}" for r in self.env_ranks]
+        self._stepping = stepping = [None] * n_env  # the key each env is executing
+        self._held_actions = held = [None] * n_env  # actions waiting for the step in flight
+        self._asked = asked = [0] * n_env  # action requests made in this run
+        self._ready = ready = []  # (env index, key, obs): action requests to serve
+        done = [0] * n_env  # chunks executed (results received)
+        conns = {env.connection: i for i, env in enumerate(self.envs)}
+        for i, env in enumerate(self.envs):
+            if self._carry[i] is None:
+                key = ctx["key"] = self._key(self.env_ranks[i], 0)
+                try:
+                    obs = env.reset()
+                    self._check_obs(obs, key)
+                except Exception as exc:
+                    raise RunnerError(names[i], key.as_tuple(), exc) from exc
+                self._carry[i] = (obs, None)
+            self._ask(i, self._carry[i][0])
+        deadline = None
+        while min(done) < per_env:
+            if ready:
+                # Serve now if every rank that will ask soon has asked, the call is
+                # full, or the wait is over (a rank asks again when its step is back;
+                # pipelined, when the step it holds actions for starts).
+                asking = {r[0] for r in ready}
+                coming = [i for i in range(n_env) if i not in asking and asked[i] < per_env
+                          and (held[i] if self.pipelined else stepping[i]) is not None]
+                now = time.monotonic()
+                deadline = now + self.batch_wait_s if deadline is None else deadline
+                if len(ready) >= self._slots or not coming or now >= deadline:
+                    batch = sorted(ready, key=lambda r: r[0])
+                    ready.clear()
+                    deadline = None
+                    self._serve(batch, rand, ctx)
+                    self._flush()
+                    continue
+                timeout = min(deadline - now, _POLL_S)
+            else:
+                timeout = _POLL_S
+            if self._stop.is_set():
+                raise _Stopped
+            for conn in wait(list(conns), timeout):
+                i = conns[conn]
+                key = ctx["key"] = stepping[i]
+                stepping[i] = None
+                try:
+                    out = self.envs[i].receive()
+                except Exception as exc:
+                    raise RunnerError(names[i], key.as_tuple(), exc) from exc
+                if held[i] is not None:  # the next chunk's actions: its step starts at once
+                    (k, actions), held[i] = held[i], None
+                    self._send_step(i, k, actions, out.obs)
+                prev = self._carry[i][1]
+                part = env_part(plan, key, out, prev, out.obs if self.pipelined else None)
+                try:
+                    self._check_obs(out.obs, key)
+                    self._check(part, key)
+                except Exception as exc:
+                    raise RunnerError(names[i], key.as_tuple(), exc) from exc
+                self._carry[i] = (out.obs, out.transition)
+                done[i] += 1
+                if self.value_fn is None:  # no terminal inference to run
+                    self._emit(names[i], part, rands[i])
+                else:
+                    with self._lock:
+                        params = self._params
+                    self._complete((names[i], out, part), params, rand, ctx)
+                if not self.pipelined:
+                    self._ask(i, out.obs)
+            if not ready:
+                self._flush()
+        self._flush()
 
     # -- consumer --------------------------------------------------------------------
 

@@ -1,5 +1,5 @@
-"""A MuJoCo camera through AsyncRunner: the env built by a factory in its own thread gives
-the frames the main thread renders; printed as JSON. Run with MUJOCO_GL set (osmesa here)
+"""A MuJoCo camera through AsyncRunner: the env built by a factory in its own thread, or in
+its own process (env_workers="process"), gives the frames the main thread renders; printed as JSON. Run with MUJOCO_GL set (osmesa here)
 before MuJoCo loads; prints {"unavailable": reason} where this machine cannot render."""
 
 from __future__ import annotations
@@ -67,15 +67,17 @@ def main():
     parts = example_parts(example_env, plan, policy_fn(None, zeros, None))
     collector = jaxtraj.TrajectoryCollector(plan, *parts)
     out = {}
-    for name, envs in (("factory", [make_env]), ("built_in_main", [example_env])):
+    cases = (("factory", [make_env], "thread"), ("process", [make_env], "process"),
+             ("built_in_main", [example_env], "thread"))
+    for name, envs, workers in cases:
         collector = jaxtraj.TrajectoryCollector(plan, *parts)
-        runner = AsyncRunner(collector, envs, policy_fn, None)
+        runner = AsyncRunner(collector, envs, policy_fn, None, env_workers=workers)
         (_, traj), = runner.run()
         got = np.asarray(traj.obs["pixels"])[0]  # [T, B, H, W, 3]
         diff = np.abs(got.astype(np.int16) - want.astype(np.int16))
         out[name] = {"mean": float(got.mean()), "mad": float(diff.mean())}
-        for env in runner.envs:
-            env.close()
+        runner.close()
+    example_env.close()
     out["main_mean"] = float(want.mean())
     out["main_mad"] = float(np.abs(want.astype(np.int16) - again.astype(np.int16)).mean())
     print(json.dumps(out))
