@@ -27,8 +27,12 @@ episode), ``K = 4`` actions per chunk, ``T = 16`` chunks per training step, ``E 
 - ``b``: :class:`~jaxtraj.runners.threads.AsyncRunner`, two env ranks (two vector envs
   of B/2 each), ``value_fn`` on the policy side, ``run(num_steps=1)`` per training step;
   one ``policy_fn`` call serves both ranks (B rows, as the hand loop's);
-- ``b4``: the same with four env ranks of B/4 (``sleep1ms`` only);
-- ``c``: :class:`~jaxtraj.runners.threads.DecoupledRunner`, the same setup;
+- ``b_proc``: ``b`` with ``env_workers="process"``: each rank's env built from a
+  factory in a process of its own, one runner thread serving both through their pipes
+  (a gymnasium step is Python holding the GIL: only processes step two in parallel);
+- ``b4``, ``b4_proc``: ``b`` and ``b_proc`` with four env ranks of B/4 (``sleep1ms``
+  only);
+- ``c``, ``c_proc``: :class:`~jaxtraj.runners.threads.DecoupledRunner`, the same setups;
 - ``d``: :class:`~jaxtraj.runners.ray.RayRunner`, two actors (each builds its adapter),
   policy and ``value_fn`` in the learner, one inference for the ranks whose observation
   is in; ``ray.init(num_cpus=2, ...)``;
@@ -50,9 +54,11 @@ waiting for the GIL).
 observation (a few pixels set from the state: MuJoCo cannot render here).
 
 Targets (issue 26), each printed as met or missed with the measured median ratio and the
-machine: ``b`` at least 1.0x ``a`` on ``hopper`` and ``halfcheetah``; on ``sleep1ms``
-``b`` at least 1.8x ``a``, ``b4`` at least 3.4x and ``d4`` at least 3x; ``d`` at least
-0.9x ``b`` on ``hopper`` (the ratio per round of the two, measured side by side).
+machine, for AsyncRunner with thread workers and with process workers alike: ``b`` /
+``b_proc`` at least 1.0x ``a`` on ``hopper`` and ``halfcheetah``; on ``sleep1ms`` ``b`` /
+``b_proc`` at least 1.8x ``a``, ``b4`` / ``b4_proc`` at least 3.4x and ``d4`` at least
+3x; ``d`` at least 0.9x ``b`` and ``b_proc`` on ``hopper`` (the ratio per round of the
+two, measured side by side).
 
     python benchmarks/host_env.py [--quick] [--camera] [--rounds 11] [--steps 4]
 

@@ -208,6 +208,13 @@ def page_host_env(d: dict, out: Path) -> str:
         ax.set_title(f"{name} (without the instant-env configs)", fontsize=8)
         ax.tick_params(axis="x", labelrotation=60, labelsize=7)
     (axes[0] if len(tasks) > 1 else axes).set_ylabel("ratio to (a), median")
+    if d.get("targets"):
+        text += "\n### Targets (issue 26)\n\n" + table(
+            ["env", "config", "against", "target", "measured (median of per-round ratios)",
+             "status"],
+            [[t["env"], t["config"], t["reference"], f">= {t['target']}x",
+              "-" if t["ratio"] is None else f"{t['ratio']:.2f}x", t["status"]]
+             for t in d["targets"]])
     return text + "\n" + _save(fig, out, "host_env.png")
 
 
