@@ -39,7 +39,27 @@ def is_factory(env: Any) -> bool:
     return callable(env) and not callable(getattr(env, "step", None))
 
 
-class ThreadBoundEnv:
+class _Bound:
+    """What both bound envs forward: the env protocol's calls, executed by ``call``
+    where the env lives."""
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    def reset(self, *args: Any, **kwargs: Any) -> Any:
+        return self.call("reset", *args, **kwargs)
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        return self.call("step", *args, **kwargs)
+
+    def spec(self) -> Any:
+        return self.call("spec")
+
+    def render(self, *args: Any, **kwargs: Any) -> Any:
+        return self.call("render", *args, **kwargs)
+
+
+class ThreadBoundEnv(_Bound):
     """An environment built by ``factory()`` in a thread of its own; every method call is
     executed there. Attributes (``num_envs``, ``seed``, ...) read the env's own.
 
@@ -102,22 +122,10 @@ class ThreadBoundEnv:
             raise value
         return value
 
-    def reset(self, *args: Any, **kwargs: Any) -> Any:
-        return self.call("reset", *args, **kwargs)
-
-    def step(self, *args: Any, **kwargs: Any) -> Any:
-        return self.call("step", *args, **kwargs)
-
-    def spec(self) -> Any:
-        return self.call("spec")
-
     def check_against(self, example: Any) -> None:
         check = getattr(self._env, "check_against", None)
         if check is not None:
             self.call("check_against", example)
-
-    def render(self, *args: Any, **kwargs: Any) -> Any:
-        return self.call("render", *args, **kwargs)
 
     def close(self) -> None:
         """Close the env (in its thread) and end the thread."""
@@ -226,7 +234,7 @@ class _Callable:
     """Marker: the attribute asked for is a method of the env (called remotely)."""
 
 
-class ProcessBoundEnv:
+class ProcessBoundEnv(_Bound):
     """An environment built by ``factory()`` in a process of its own; every method call
     is executed there, its arguments and result pickled across a pipe.
 
@@ -377,15 +385,6 @@ class ProcessBoundEnv:
         """The parent's end of the pipe (for ``multiprocessing.connection.wait``)."""
         return self._conn
 
-    def reset(self, *args: Any, **kwargs: Any) -> Any:
-        return self.call("reset", *args, **kwargs)
-
-    def step(self, *args: Any, **kwargs: Any) -> Any:
-        return self.call("step", *args, **kwargs)
-
-    def spec(self) -> Any:
-        return self.call("spec")
-
     def check_against(self, example: Any) -> None:
         try:
             check = self.call("__getattr__", "check_against")
@@ -393,9 +392,6 @@ class ProcessBoundEnv:
             return
         if check is _Callable:
             self.call("check_against", example)
-
-    def render(self, *args: Any, **kwargs: Any) -> Any:
-        return self.call("render", *args, **kwargs)
 
     def sub_env_seeds(self) -> list[int] | None:
         """The seeds the env gives its sub-environments (read in its process)."""
