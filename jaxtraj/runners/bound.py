@@ -29,6 +29,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import numpy as np
 
 _STOP = object()
@@ -152,10 +153,6 @@ def _dumps(obj: Any) -> bytes:
 def _host(tree: Any) -> Any:
     """Device arrays (``jax.Array``) in call arguments as numpy: what crosses to the
     env's process is host data, and the process need not start a JAX backend."""
-    try:
-        import jax
-    except ImportError:  # pragma: no cover (jaxtraj depends on jax)
-        return tree
     return jax.tree.map(lambda x: np.asarray(x) if isinstance(x, jax.Array) else x, tree)
 
 
