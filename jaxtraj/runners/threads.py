@@ -10,6 +10,11 @@ Threads and queues::
       halves it completed, as one item: one hand-off a round, not one a half)
     consumer --> on_flush(queue_key, item) | output_queue | the list run() returns
 
+With ``env_workers="process"`` there are no worker threads: the thread that calls
+:meth:`AsyncRunner.run` waits on every env process's pipe, serves the ready ranks in one
+``policy_fn`` call, sends each its actions, and inserts the round's halves while the
+processes step (one thread: no hand-offs, no turns at the GIL).
+
 The consumer is the thread that calls :meth:`AsyncRunner.run`: it is the only thread
 that touches the collector (the facade is not thread-safe). Parts reach it out of
 order: the two halves of a chunk come from two producers, and ``jitter_s`` delays
@@ -328,17 +333,22 @@ class AsyncRunner:
         # chunk's env half. Without it env workers publish their halves themselves.
         terminal = (per_env if self.pipelined else 1) if self.value_fn is not None else 0
         requests = len(self.envs) * (per_env + terminal)
+        received = 0
+        self._held = held = []  # (due, order, worker, part)
+        self._batch = batch = collections.deque()
+        self._outbox = []
+        self._order = 0
         if self.env_workers == "process":
-            # One thread serves every env process through its pipe (no env worker threads:
-            # fewer hand-offs, and fewer threads taking turns at the GIL).
-            self._threads = [
-                threading.Thread(
-                    target=self._guard,
-                    args=("policy_worker", self._process_worker, None),
-                    name="jaxtraj-policy_worker",
-                    daemon=True,
-                )
-            ]
+            # The calling thread serves every env process through its pipe and inserts
+            # the halves while the processes step: no worker threads, no hand-offs, no
+            # threads taking turns at the GIL.
+            self._threads = []
+            try:
+                self._guard("policy_worker", self._process_worker, None)
+            except BaseException as exc:  # raised outside the guard's reach
+                self._fail("consumer", None, exc)
+            finally:
+                self._stop.set()
         else:
             self._threads = [
                 threading.Thread(
@@ -357,47 +367,43 @@ class AsyncRunner:
                     daemon=True,
                 )
             )
-        received = 0
-        self._held = held = []  # (due, order, worker, part)
-        self._batch = batch = collections.deque()
-        self._outbox = []
-        order = 0
-        try:
-            for t in self._threads:
-                t.start()
-            while received < total and self._failure is None:
-                if held:
-                    now = time.monotonic()
-                    if held[0][0] <= now:  # the next part is due: it arrives
-                        _, _, worker, part = heapq.heappop(held)
-                        received += 1
-                        consumer.consume(worker, part)
+            order = 0
+            try:
+                for t in self._threads:
+                    t.start()
+                while received < total and self._failure is None:
+                    if held:
+                        now = time.monotonic()
+                        if held[0][0] <= now:  # the next part is due: it arrives
+                            _, _, worker, part = heapq.heappop(held)
+                            received += 1
+                            consumer.consume(worker, part)
+                            continue
+                        wait = min(held[0][0] - now, _POLL_S)
+                    else:
+                        wait = _POLL_S
+                    try:
+                        due, worker, part = self._parts.get(timeout=wait)
+                    except queue.Empty:
                         continue
-                    wait = min(held[0][0] - now, _POLL_S)
-                else:
-                    wait = _POLL_S
-                try:
-                    due, worker, part = self._parts.get(timeout=wait)
-                except queue.Empty:
-                    continue
-                if due:
-                    heapq.heappush(held, (due, order, worker, part))
-                    order += 1
-                    continue
-                if worker is None:  # the policy worker's round: (worker, half) pairs
-                    batch.extend(part)
-                    while batch:
-                        w, p = batch.popleft()
-                        received += 1
-                        consumer.consume(w, p)
-                    continue
-                received += 1
-                consumer.consume(worker, part)
-        except BaseException as exc:  # KeyboardInterrupt included
-            self._fail("consumer", None, exc)
-        finally:
-            self._stop.set()
-            self._join()
+                    if due:
+                        heapq.heappush(held, (due, order, worker, part))
+                        order += 1
+                        continue
+                    if worker is None:  # the policy worker's round: (worker, half) pairs
+                        batch.extend(part)
+                        while batch:
+                            w, p = batch.popleft()
+                            received += 1
+                            consumer.consume(w, p)
+                        continue
+                    received += 1
+                    consumer.consume(worker, part)
+            except BaseException as exc:  # KeyboardInterrupt included
+                self._fail("consumer", None, exc)
+            finally:
+                self._stop.set()
+                self._join()
         if self._failure is not None:
             self._drain()
             worker, key, exc = self._failure
@@ -496,7 +502,26 @@ class AsyncRunner:
 
     def _publish(self, worker: str, part: Any, rand: random.Random) -> None:
         due = time.monotonic() + rand.uniform(0.0, self.jitter_s) if self.jitter_s else 0.0
+        if self.env_workers == "process":  # the calling thread is the consumer: held here
+            if due:
+                heapq.heappush(self._held, (due, self._order, worker, part))
+                self._order += 1
+            else:
+                self._consumer.consume(worker, part)
+            return
         self._put(self._parts, (due, worker, part), "parts")
+
+    def _arrive(self) -> float | None:
+        """``env_workers="process"``: insert the held parts now due (jitter_s), in due
+        order; returns how long until the next one is due (``None``: none held)."""
+        held = self._held
+        while held:
+            left = held[0][0] - time.monotonic()
+            if left > 0:
+                return left
+            _, _, worker, part = heapq.heappop(held)
+            self._consumer.consume(worker, part)
+        return None
 
     def _emit(self, worker: str, part: Any, rand: random.Random) -> None:
         """A half the policy worker publishes: with ``jitter_s``, at once (each half its
@@ -508,8 +533,14 @@ class AsyncRunner:
 
     def _flush(self) -> None:
         """Publish the policy worker's halves of this round as one item (after the
-        round's replies: the env workers step before the consumer inserts)."""
-        if self._outbox:
+        round's replies: the env workers step before the consumer inserts); with
+        ``env_workers="process"``, insert them (the env processes step meanwhile)."""
+        if self._outbox and self.env_workers == "process":  # the calling thread inserts
+            self._batch.extend(self._outbox)
+            self._outbox = []
+            while self._batch:  # left for the drain if the collector rejects one
+                self._consumer.consume(*self._batch.popleft())
+        elif self._outbox:
             self._put(self._parts, (0.0, None, self._outbox), "parts")
             self._outbox = []
 
@@ -693,13 +724,14 @@ class AsyncRunner:
             self._asked[i] += 1
 
     def _process_worker(self, _: Any, ctx: dict) -> None:
-        """``env_workers="process"``: one thread is every env rank's worker and the policy
-        worker. It takes each executed chunk from its env's process (whichever is in
+        """``env_workers="process"``: the calling thread is every env rank's worker, the
+        policy worker and the consumer. It takes each executed chunk from its env's process (whichever is in
         first), completes and checks its env half as the env workers and the policy
         worker would, and serves the ranks whose observation is ready in one
         ``policy_fn`` call (:attr:`max_batch`, :attr:`batch_wait_s`), sending each its
-        actions; the env processes step meanwhile. The same requests, keys and rows as
-        the threads' (pipelined too), so the same trajectories."""
+        actions, then inserts the round's halves while the env processes step. The same
+        requests, keys and rows as the threads' (pipelined too), so the same
+        trajectories."""
         try:
             self._serve_processes(ctx)
         finally:
@@ -729,6 +761,25 @@ class AsyncRunner:
                     raise RunnerError(names[i], key.as_tuple(), exc) from exc
                 self._carry[i] = (obs, None)
             self._ask(i, self._carry[i][0])
+        halves: list[tuple] = []  # (env index, key, EnvStep, previous transition)
+
+        def env_halves() -> None:
+            """The env halves of the chunks received: made, checked, completed."""
+            while halves:
+                i, key, out, prev = halves.pop(0)
+                ctx["key"] = key
+                part = env_part(plan, key, out, prev, out.obs if self.pipelined else None)
+                try:
+                    self._check(part, key)
+                except Exception as exc:
+                    raise RunnerError(names[i], key.as_tuple(), exc) from exc
+                if self.value_fn is None:  # no terminal inference to run
+                    self._emit(names[i], part, rands[i])
+                else:
+                    with self._lock:
+                        params = self._params
+                    self._complete((names[i], out, part), params, rand, ctx)
+
         deadline = None
         while min(done) < per_env:
             if ready:
@@ -745,13 +796,16 @@ class AsyncRunner:
                     ready.clear()
                     deadline = None
                     self._serve(batch, rand, ctx)
+                    env_halves()
                     self._flush()
                     continue
+                env_halves()  # while the other ranks' steps are out
                 timeout = min(deadline - now, _POLL_S)
             else:
                 timeout = _POLL_S
-            if self._stop.is_set():
-                raise _Stopped
+            due = self._arrive()  # parts in transit (jitter_s) that are due
+            if due is not None:
+                timeout = min(timeout, due)
             for conn in wait(list(conns), timeout):
                 i = conns[conn]
                 key = ctx["key"] = stepping[i]
@@ -763,26 +817,23 @@ class AsyncRunner:
                 if held[i] is not None:  # the next chunk's actions: its step starts at once
                     (k, actions), held[i] = held[i], None
                     self._send_step(i, k, actions, out.obs)
-                prev = self._carry[i][1]
-                part = env_part(plan, key, out, prev, out.obs if self.pipelined else None)
-                try:
+                try:  # before the policy sees it
                     self._check_obs(out.obs, key)
-                    self._check(part, key)
                 except Exception as exc:
                     raise RunnerError(names[i], key.as_tuple(), exc) from exc
+                # Its env half is made after the next serve (off the path to the actions).
+                halves.append((i, key, out, self._carry[i][1]))
                 self._carry[i] = (out.obs, out.transition)
                 done[i] += 1
-                if self.value_fn is None:  # no terminal inference to run
-                    self._emit(names[i], part, rands[i])
-                else:
-                    with self._lock:
-                        params = self._params
-                    self._complete((names[i], out, part), params, rand, ctx)
                 if not self.pipelined:
                     self._ask(i, out.obs)
             if not ready:
+                env_halves()
                 self._flush()
+        env_halves()
         self._flush()
+        while self._held:  # the last parts in transit arrive
+            time.sleep(self._arrive() or 0.0)
 
     # -- consumer --------------------------------------------------------------------
 
