@@ -333,7 +333,6 @@ class AsyncRunner:
         # chunk's env half. Without it env workers publish their halves themselves.
         terminal = (per_env if self.pipelined else 1) if self.value_fn is not None else 0
         requests = len(self.envs) * (per_env + terminal)
-        received = 0
         self._held = held = []  # (due, order, worker, part)
         self._batch = batch = collections.deque()
         self._outbox = []
@@ -367,7 +366,7 @@ class AsyncRunner:
                     daemon=True,
                 )
             )
-            order = 0
+            received = order = 0
             try:
                 for t in self._threads:
                     t.start()
@@ -502,12 +501,9 @@ class AsyncRunner:
 
     def _publish(self, worker: str, part: Any, rand: random.Random) -> None:
         due = time.monotonic() + rand.uniform(0.0, self.jitter_s) if self.jitter_s else 0.0
-        if self.env_workers == "process":  # the calling thread is the consumer: held here
-            if due:
-                heapq.heappush(self._held, (due, self._order, worker, part))
-                self._order += 1
-            else:
-                self._consumer.consume(worker, part)
+        if self.env_workers == "process":  # jitter_s only (else _emit keeps it for _flush):
+            heapq.heappush(self._held, (due, self._order, worker, part))  # held here
+            self._order += 1
             return
         self._put(self._parts, (due, worker, part), "parts")
 
@@ -725,13 +721,13 @@ class AsyncRunner:
 
     def _process_worker(self, _: Any, ctx: dict) -> None:
         """``env_workers="process"``: the calling thread is every env rank's worker, the
-        policy worker and the consumer. It takes each executed chunk from its env's process (whichever is in
-        first), completes and checks its env half as the env workers and the policy
-        worker would, and serves the ranks whose observation is ready in one
-        ``policy_fn`` call (:attr:`max_batch`, :attr:`batch_wait_s`), sending each its
-        actions, then inserts the round's halves while the env processes step. The same
-        requests, keys and rows as the threads' (pipelined too), so the same
-        trajectories."""
+        policy worker and the consumer. It takes each executed chunk from its env's
+        process (whichever is in first), serves the ranks whose observation is ready in
+        one ``policy_fn`` call (:attr:`max_batch`, :attr:`batch_wait_s`), sending each its
+        actions, then completes and checks the env halves as the env workers and the
+        policy worker would, and inserts the round's halves while the env processes
+        step. The same requests, keys and rows as the threads' (pipelined too), so the
+        same trajectories."""
         try:
             self._serve_processes(ctx)
         finally:
