@@ -9,7 +9,9 @@ Two strategies with one small interface, chosen by :class:`jaxtraj.TrajectoryCol
   step's staging is never written while anything else holds it: the next step's
   first half takes the buffers of an earlier step that nobody references any more
   (its trajectory was dropped: no page faults, no allocation; the latest such, whose
-  memory is warmest), or fresh ones. A trajectory handed out is never changed behind
+  memory is warmest), or fresh ones; once the caller has dropped the latest step's
+  trajectory, it waits the moment JAX takes to let go of it (the flush may still be
+  running) rather than allocate. A trajectory handed out is never changed behind
   its holder's back.
 - :class:`DeviceStorage` (parts already on an accelerator): the jitted pure inserts
   into a donated device state, as a jitted training loop would call them.
@@ -21,6 +23,8 @@ from __future__ import annotations
 
 import functools
 import sys
+import time
+import weakref
 from typing import Any, NamedTuple
 
 import jax
@@ -165,6 +169,22 @@ def storage_for(kind, plan, policy_example, env_example, mode, sources, step_id)
 #: buffers stay allocated.
 SPARES = 2
 
+#: How long a step's first half waits, at most, for JAX to let go of the last step's
+#: staging once nothing of the caller's holds it any more (a flush still running, or
+#: the release of adopted memory, which lags the flush's outputs by a fraction of a
+#: millisecond): far less than allocating and faulting in fresh buffers.
+RELEASE_WAIT_S = 0.005
+
+
+class _Spare(NamedTuple):
+    """A step's handed-out staging, kept to reuse: ``users``, weak references to what
+    the caller was given (the flush's device arrays, :meth:`HostStorage.state`'s
+    views); ``flushed``, an output its flush computed (ready once the flush has run)."""
+
+    state: CollectorState
+    users: list
+    flushed: Any
+
 
 def _insert_stack(storage: Any, mode: Any, group: Any, owners: np.ndarray, layout: Any) -> None:
     """Insert a checked stack of parts (a leading axis ``N``), split by the states its
@@ -212,7 +232,9 @@ class HostStorage:
         self._states: list[CollectorState] = [None] * len(layouts)
         self._flat: list[list[np.ndarray]] = [None] * len(layouts)
         self._given: list[tuple] = [None] * len(layouts)
-        self._spares: list[list[CollectorState]] = [[] for _ in layouts]
+        self._spares: list[list[_Spare]] = [[] for _ in layouts]
+        self._users: list[list] = [[] for _ in layouts]  # the step's, as in _Spare
+        self._flushed: list[Any] = [None] * len(layouts)
         # Each state's running episodes (small, [.., B]): carried from flush to flush.
         zeros = lambda x: np.zeros(x.shape, x.dtype)
         self._episodes = [jax.tree.map(zeros, lay.episodes) for lay in layouts]
@@ -318,7 +340,9 @@ class HostStorage:
     def device_state(self, i: int, mirror: Any) -> CollectorState:
         """State ``i`` on its devices: the staging buffers (zero-copy on the CPU backend)
         with a copy of the coverage the mirror records for its sources."""
-        return self._place(to_device(self.state(i, mirror)))
+        st = to_device(self._views(i, mirror))
+        self._users[i] += [weakref.ref(x) for x in _data(st)]
+        return self._place(st)
 
     def state(self, i: int, mirror: Any) -> CollectorState:
         """State ``i`` as host arrays: views of the staging buffers (no copy), and a copy of
@@ -327,6 +351,11 @@ class HostStorage:
         Views, not the buffers' own array objects: whoever holds one (a checkpoint's
         arrays, a device array adopting them) holds the staging's memory, and :meth:`renew`
         does not reuse it while they do."""
+        full = self._views(i, mirror)
+        self._users[i] += [weakref.ref(x) for x in _data(full)]
+        return full
+
+    def _views(self, i: int, mirror: Any) -> CollectorState:
         st, lay, group = self._staging(i), self._layouts[i], self._groups[i]
         pick = (lambda x: x[group]) if len(group) > 1 or lay.stacked else (lambda x: x[group[0]])
         copy = lambda x: None if x is None else x.copy()
@@ -352,15 +381,16 @@ class HostStorage:
         # running episodes move on, kept where the flush left them: reading them back
         # here would wait for the flush (the episode statistics) before the next add.
         self._episodes[i] = state.episodes
+        self._flushed[i] = state.errors
 
     def renew(self, i: int) -> None:
         """State ``i``'s step ended: the buffers just handed out join the spares, and the
         next step's staging is taken at its first use (:meth:`_take`), so that a
         trajectory dropped by then gives its warm buffers straight back."""
         if self._states[i] is not None:  # else nothing was taken since the last renew
-            self._spares[i].append(self._states[i])
+            self._spares[i].append(_Spare(self._states[i], self._users[i], self._flushed[i]))
             del self._spares[i][: -(SPARES + 1)]
-        self._states[i] = None
+        self._states[i], self._users[i], self._flushed[i] = None, [], None
 
     def _staging(self, i: int) -> CollectorState:
         st = self._states[i]
@@ -374,11 +404,16 @@ class HostStorage:
         gets recycled buffers."""
         _release_dropped()
         pool = self._spares[i]
-        free = [n for n, sp in enumerate(pool) if all(_unshared(x) for x in _data(sp))]
+        free = [n for n, sp in enumerate(pool) if _free(sp)]
+        if pool and not _free(pool[-1]) and not any(u() is not None for u in pool[-1].users):
+            # The caller dropped all it was given of the latest step; what still holds
+            # its memory is JAX, for a moment: wait for it rather than allocate.
+            _wait_released(pool[-1])
+            free = [n for n, sp in enumerate(pool) if _free(sp)]
         if not free:
             st = self._fresh(self._layouts[i])
         else:
-            reuse = pool.pop(free[-1])
+            reuse = pool.pop(free[-1]).state
             zero = lambda x: None if x is None else np.zeros_like(x)
             st = reuse.replace(
                 next_obs_given=zero(reuse.next_obs_given),
@@ -409,6 +444,7 @@ class HostStorage:
         policy, env, initial = jax.tree.unflatten(tree, data)
         given = lambda x: None if x is None else np.array(x)
         self._episodes[i] = jax.tree.map(np.array, state.episodes)
+        self._users[i], self._flushed[i] = [], None
         self._set(i, lay.replace(
             policy=policy, env=env, initial=initial,
             next_obs_given=given(state.next_obs_given), next_rlt_given=given(state.next_rlt_given),
@@ -417,6 +453,22 @@ class HostStorage:
 
 def _data(st: CollectorState) -> list[np.ndarray]:
     return jax.tree.leaves((st.policy, st.env, st.initial))
+
+
+def _free(spare: _Spare) -> bool:
+    return all(_unshared(x) for x in _data(spare.state))
+
+
+def _wait_released(spare: _Spare) -> None:
+    """Wait until ``spare``'s flush has run and JAX has let go of its staging, or at
+    most :data:`RELEASE_WAIT_S`."""
+    jax.block_until_ready(spare.flushed)
+    end = time.monotonic() + RELEASE_WAIT_S
+    while True:
+        _release_dropped()
+        if _free(spare) or time.monotonic() > end:
+            return
+        time.sleep(50e-6)
 
 
 def _release_dropped() -> None:
