@@ -418,3 +418,34 @@ def test_run_once_per_training_step_carries_envs_keys_and_versions(ray_instance)
         np.testing.assert_array_equal(np.asarray(tr.versions), s)  # version s in step s
         # Environments continue across calls: the same as one uninterrupted run.
         assert_same(tr.replace(versions=None), ref[(s, r)].replace(versions=None))
+
+
+def test_actors_that_cannot_be_placed_are_warned_about_not_waited_for_silently(
+    ray_instance, reference, monkeypatch
+):
+    """Actors asking for more CPUs than the cluster has are named at start; actors that
+    wait behind another runner's (which holds the CPUs until it is closed) are named once
+    the wait passes START_WARN_S, and the run goes on when the CPUs free up."""
+    import threading
+
+    import jaxtraj.runners.ray as ray_module
+
+    never = ray_runner(make_collector(), num_steps=1, actor_options={"num_cpus": 2})
+    with pytest.warns(RuntimeWarning, match=r"need 4 CPUs .* the cluster has 2"):
+        never.actors()
+    never.close()
+
+    blocker = ray_runner(make_collector(), num_steps=1, actor_options={"num_cpus": 1})
+    blocker.run()  # its two actors are up and hold both CPUs
+    monkeypatch.setattr(ray_module, "START_WARN_S", 1.0)
+    closing = threading.Timer(3.0, blocker.close)
+    closing.start()
+    try:
+        with ray_runner(make_collector(), num_steps=1, actor_options={"num_cpus": 1}) as runner:
+            with pytest.warns(RuntimeWarning, match=r"env ranks \[0, 1\] have not answered"):
+                got = by_source(runner.run())
+    finally:
+        closing.join()
+    assert sorted(got) == [(0, r) for r in range(RANKS)]
+    for k in got:
+        assert_same(got[k], reference[k])

@@ -62,6 +62,7 @@ except ImportError as exc:  # pragma: no cover - exercised in a process without 
 import os
 import threading
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -97,6 +98,9 @@ __all__ = ["EnvWorker", "RayRunner", "RunnerError", "EnvStep", "Env"]
 PyTree = Any
 _POLL_S = 0.05
 _RETRY_S = 0.1
+#: After this long without an actor's first answer, the runner warns that Ray may be
+#: unable to place it (a start takes seconds: importing JAX, building the env).
+START_WARN_S = 60.0
 
 
 class EnvWorker:
@@ -231,6 +235,7 @@ class _Rank:
     failures: int = 0  # failures since the last progress
     progress_at: float = 0.0  # when it last answered (or was first asked)
     ping_at: float | None = None  # when to ask a restarting actor again whether it is up
+    created_at: float | None = None  # when its actor was created (None: warned, or up)
 
     @property
     def name(self) -> str:
@@ -444,6 +449,7 @@ class RayRunner:
             stall_at = time.monotonic()
             while any(w.n < w.total for w in self._ranks):
                 now = time.monotonic()
+                self._warn_unstarted(now)
                 for w in self._ranks:
                     if w.ping_at is not None and now >= w.ping_at:
                         w.ping_at = None
@@ -492,9 +498,46 @@ class RayRunner:
         policy_fn = self.policy_fn if actor else None
         value_fn = self.value_fn if actor else None
         layout = self.collector.layout if actor else None
+        self._check_placement(len(todo))
         for w in todo:
             w.actor = cls.remote(
                 self.env_fn, w.rank, self.plan, policy_fn, self._stamp, value_fn, layout
+            )
+            w.created_at = time.monotonic()
+
+    def _check_placement(self, count: int) -> None:
+        """Warn when ``count`` new actors can never all be placed on the cluster as it
+        is: Ray would leave the rest pending, and :meth:`run` would wait for them (a
+        cluster that is only busy gets the warning of :data:`START_WARN_S`)."""
+        each = self.actor_options.get("num_cpus", 1)  # Ray places an actor on 1 CPU by default
+        if not each:
+            return
+        # An actor given num_cpus holds them while it lives; by default it holds none
+        # once placed, so the actors then need one CPU at a time.
+        need = each * count if "num_cpus" in self.actor_options else each
+        total = ray.cluster_resources().get("CPU", 0.0)
+        if need > total + 1e-9:
+            warnings.warn(
+                f"RayRunner: {count} env actors (env ranks {[w.rank for w in self._ranks]}) "
+                f"need {need:g} CPUs to be placed (num_cpus={each:g} each), and the cluster "
+                f"has {total:g}: Ray leaves the rest pending until it grows, and run() waits "
+                "for them. Lower actor_options' num_cpus, or give Ray more CPUs.",
+                RuntimeWarning, stacklevel=4,
+            )
+
+    def _warn_unstarted(self, now: float) -> None:
+        late = [w for w in self._ranks
+                if not w.started and w.created_at is not None and now - w.created_at > START_WARN_S]
+        if late:
+            for w in late:
+                w.created_at = None  # once per actor
+            warnings.warn(
+                f"RayRunner: the actors of env ranks {[w.rank for w in late]} have not "
+                f"answered {START_WARN_S:g} s after they were created. Ray may be unable to "
+                f"place them: {ray.available_resources().get('CPU', 0.0):g} CPUs free of "
+                f"{ray.cluster_resources().get('CPU', 0.0):g}, actor_options="
+                f"{self.actor_options!r} (actors of runners not closed hold their CPUs).",
+                RuntimeWarning, stacklevel=3,
             )
 
     def _params_for_actors(self) -> tuple[Any, int]:
