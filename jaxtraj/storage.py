@@ -404,12 +404,11 @@ class HostStorage:
         gets recycled buffers."""
         _release_dropped()
         pool = self._spares[i]
-        free = [n for n, sp in enumerate(pool) if _free(sp)]
         if pool and not _free(pool[-1]) and not any(u() is not None for u in pool[-1].users):
             # The caller dropped all it was given of the latest step; what still holds
             # its memory is JAX, for a moment: wait for it rather than allocate.
             _wait_released(pool[-1])
-            free = [n for n, sp in enumerate(pool) if _free(sp)]
+        free = [n for n, sp in enumerate(pool) if _free(sp)]
         if not free:
             st = self._fresh(self._layouts[i])
         else:
