@@ -37,8 +37,8 @@ episode), ``K = 4`` actions per chunk, ``T = 16`` chunks per training step, ``E 
 - ``d``: :class:`~jaxtraj.runners.ray.RayRunner`, two actors (each builds its adapter),
   policy and ``value_fn`` in the learner, one inference for the ranks whose observation
   is in; ``ray.init(num_cpus=2, ...)``;
-- ``d_actor``: the same with the policy in the actors (``policy="actor"``, two calls of
-  four chunks in flight per actor);
+- ``d_actor``: the same with the policy in the actors (``policy="actor"``, its default
+  ``chunks_per_call``: one call of a training step's T chunks per actor);
 - ``d4``, ``d4_actor``: ``d`` and ``d_actor`` with four actors of B/4 (``sleep1ms``
   only; a quarter CPU each, so that both sets of actors, alive across the rounds, fit
   in ``ray.init(num_cpus=2)``);
@@ -577,7 +577,7 @@ class Runner:
 
             opts = {}
             if which.endswith("_actor"):  # several chunks in flight per rank
-                opts = dict(policy="actor", chunks_per_call=4, max_in_flight=2)
+                opts = dict(policy="actor")  # one call of T chunks per rank and step
             if ranks > 2:  # ray.init(num_cpus=2): d4's and d4_actor's actors share them
                 opts["actor_options"] = {"num_cpus": 1 / ranks}  # (alive side by side)
             self.runner = RayRunner(

@@ -277,7 +277,9 @@ class RayRunner:
         in the actors).
       policy: ``"learner"`` (Sebulba-style) or ``"actor"``.
       chunks_per_call: with ``policy="actor"``, chunks per actor call (batched in one
-        transfer).
+        transfer). Default: a training step's (``num_epochs * num_chunks``), one call
+        per rank and training step, the fastest measured (the parameters cannot change
+        within a :meth:`run` anyway); fewer lose less to a restart.
       max_in_flight: with ``policy="actor"``, outstanding calls per actor.
       max_restarts: failures of one worker without progress in between before the run
         stops (Ray itself restarts the actors without limit).
@@ -289,8 +291,8 @@ class RayRunner:
       output_queue: where flushed items go when ``on_flush`` is ``None``; with neither,
         :meth:`run` returns them.
       max_batch, batch_wait_s: with ``policy="learner"``, the most ranks one inference
-        serves (default all) and how long the learner waits, after the first rank's
-        observation is in, for the others' (as
+        serves (default all) and how long the learner waits (default 0: the ranks in
+        when it serves), after the first rank's observation is in, for the others' (as
         :class:`~jaxtraj.runners.threads.AsyncRunner`'s: the trajectories do not depend
         on the batching).
 
@@ -318,7 +320,7 @@ class RayRunner:
         env_ranks: Sequence[int] | None = None,
         seed: int = 0,
         policy: str = "learner",
-        chunks_per_call: int = 1,
+        chunks_per_call: int | None = None,
         max_in_flight: int = 2,
         max_restarts: int = 3,
         stall_timeout_s: float | None = None,
@@ -326,10 +328,12 @@ class RayRunner:
         on_flush: Callable[[str, Any], None] | None = None,
         output_queue: Any = None,
         max_batch: int | None = None,
-        batch_wait_s: float = 0.002,
+        batch_wait_s: float = 0.0,
     ):
         if policy not in ("learner", "actor"):
             raise ValueError(f"policy must be 'learner' or 'actor', got {policy!r}")
+        if chunks_per_call is None:  # a training step's chunks per call
+            chunks_per_call = collector.plan.num_epochs * collector.plan.num_chunks
         if chunks_per_call < 1 or max_in_flight < 1:
             raise ValueError(
                 f"chunks_per_call and max_in_flight must be >= 1, got "

@@ -148,8 +148,13 @@ class AsyncRunner:
         ``policy="actor"``, computes).
       batch_wait_s: after the first request of a call arrives, how long the policy
         worker waits for the other ranks' before calling ``policy_fn`` with those
-        that are ready (it never waits for a rank that has nothing left to ask). A
-        performance knob only: the trajectories do not depend on it.
+        that are ready (it never waits for a rank that has nothing left to ask).
+        Default 0: every request already in when a call starts joins it, and no rank
+        waits for a slower one (measured the faster on CPU, threads and processes
+        alike: ranks drift apart, and one's inference overlaps the others' steps).
+        Raise it where a ``policy_fn`` call costs much more than the wait (a large
+        model on an accelerator). A performance knob only: the trajectories do not
+        depend on it.
       env_workers: where factories build and step their envs: ``"thread"`` (a thread
         of the env's own, :class:`~jaxtraj.runners.bound.ThreadBoundEnv`) or
         ``"process"`` (a process of its own,
@@ -195,7 +200,7 @@ class AsyncRunner:
         jitter_s: float = 0.0,
         allow_shared_seeds: bool = False,
         max_batch: int | None = None,
-        batch_wait_s: float = 0.002,
+        batch_wait_s: float = 0.0,
         env_workers: str = "thread",
     ):
         self.collector, self.plan = collector, collector.plan
