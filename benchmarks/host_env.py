@@ -425,6 +425,25 @@ class CollectorTimer:
             return self.add_s, self.check_s
 
 
+def cpu_times() -> list[int] | None:
+    """The machine's CPU time counters (``/proc/stat``'s ``cpu`` line, in ticks), or
+    ``None`` where there is none."""
+    try:
+        with open("/proc/stat") as f:
+            return [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+
+
+def steal_share(start: list[int] | None, end: list[int] | None) -> float | None:
+    """The share of CPU time the hypervisor gave other guests between two
+    :func:`cpu_times` readings (``steal``, the 8th counter), or ``None``."""
+    if not start or not end or len(start) < 8 or len(end) < 8:
+        return None
+    total = sum(end[:8]) - sum(start[:8])
+    return (end[7] - start[7]) / total if total > 0 else None
+
+
 def pin(cpus) -> None:
     """Pin every thread of this process (XLA's, EnvPool's pools, Python's) to ``cpus``;
     threads started later inherit the calling thread's mask."""
@@ -817,7 +836,7 @@ def main():
     if args.camera:
         cases += [(n, True) for n in args.envs.split(",")]
     t_start = time.perf_counter()
-    load_start = os.getloadavg()
+    load_start, cpu_start = os.getloadavg(), cpu_times()
     results = {}
     for name, camera in cases:
         key = name + ("_camera" if camera else "")
@@ -838,6 +857,9 @@ def main():
         # Other processes' load on this shared machine (1-minute load average, start / end):
         # near or above the CPU count, the "second core" is mostly someone else's.
         "load_average_1min": [load_start[0], os.getloadavg()[0]],
+        # CPU time the hypervisor gave other guests during the run (a VM's "steal"): a
+        # noisy run is marked as one.
+        "cpu_steal_share": steal_share(cpu_start, cpu_times()),
         "results": results,
     }
     m = out["machine"]
@@ -852,6 +874,8 @@ def main():
         f"\n{machine_line}; "
         f"medians of {rounds} alternating rounds of {steps} training steps; 1-min load "
         f"average {out['load_average_1min'][0]:.1f} -> {out['load_average_1min'][1]:.1f}"
+        + ("" if out["cpu_steal_share"] is None
+           else f"; CPU steal {100 * out['cpu_steal_share']:.1f}%")
     )
     print(table(results))
     print(f"\nTargets (issue 26) on {machine_line}:\n")

@@ -190,7 +190,8 @@ def page_collect(d: dict, out: Path) -> str:
 
 def page_host_env(d: dict, out: Path) -> str:
     text = table(["setting", "value"], [list(r) for r in flat(
-        {k: d[k] for k in ("sizes", "rounds", "training_steps_per_repetition") if k in d})])
+        {k: d[k] for k in ("sizes", "rounds", "training_steps_per_repetition",
+                           "load_average_1min", "cpu_steal_share") if k in d})])
     plt = _plt()
     tasks = d["results"]
     fig, axes = plt.subplots(1, len(tasks), figsize=(4 * len(tasks), 4), sharey=True)
