@@ -563,9 +563,8 @@ class RayRunner:
         if self.policy == "learner":
             if not w.pending and w.n < w.total and w not in self._ready:
                 self._ready.append(w)  # its observation is in: inferred with the others
-                if self._ready_at is None:
-                    self._ready_at = time.monotonic()
-                self._serve_ready()
+                if self._ready_at is None:  # (served by run's loop once every result
+                    self._ready_at = time.monotonic()  # fetched with it is in)
             return
         ref = None
         while len(w.pending) < self.max_in_flight and w.sent < w.total:
@@ -586,7 +585,7 @@ class RayRunner:
 
         return key_at
 
-    def _serve_ready(self, force: bool = False) -> None:
+    def _serve_ready(self) -> None:
         """With the policy in the learner: one inference for the ranks whose observation
         is in, once ``max_batch`` of them are, or no other rank can join (done, or
         restarting), or ``batch_wait_s`` has passed since the first."""
@@ -596,7 +595,7 @@ class RayRunner:
             w for w in self._ranks if w not in self._ready and w.n < w.total and w.pending
         ]
         late = time.monotonic() >= self._ready_at + self.batch_wait_s
-        if len(self._ready) < self._slots and waiting and not late and not force:
+        if len(self._ready) < self._slots and waiting and not late:
             return
         batch = sorted(self._ready[: self._slots], key=lambda w: w.index)
         self._ready = self._ready[self._slots :]
