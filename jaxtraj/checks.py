@@ -430,6 +430,13 @@ def invalid_action_rows(xp: Any, transition: EnvTransition, rows_ndim: int = 1) 
     tr = transition
     if tr.valid_actions is None:
         return False
+    if xp is np and np.all(tr.valid_actions):  # hot on the host: every action ran, so
+        # only an action right after a done (a done before the last action) breaks it
+        dones = tr.resolved_dones(np)
+        rows = np.shape(tr.valid_actions)[:-1]
+        if dones is None or np.ndim(dones) <= rows_ndim:  # none, or on the last action
+            return np.zeros(rows, bool)
+        return np.asarray(dones)[..., :-1].any(axis=-1)
     ran = xp.asarray(tr.valid_actions).astype(bool)
     K = ran.shape[-1]
     dones = tr.resolved_dones(xp)

@@ -65,7 +65,10 @@ class TrajectoryKey:
 
     def as_tuple(self) -> tuple[int, int, int, int, int]:
         """The key as host ints (forces a sync if the fields are device arrays)."""
-        return tuple(int(np.asarray(v)) for v in self.fields())
+        fields = self.fields()
+        if all(type(v) is int for v in fields):  # hot: a host's keys are Python ints
+            return fields
+        return tuple(int(np.asarray(v)) for v in fields)
 
     def fields(self) -> tuple:
         return (self.step_id, self.epoch_id, self.env_rank, self.stage_id, self.chunk_id)

@@ -7,6 +7,7 @@ chunk-end modes, over several training steps (episodes that span steps); and the
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -136,3 +137,44 @@ def test_a_reward_on_an_action_that_did_not_run_is_refused_and_reset_steps_are_a
             c.add(part)
         (_, traj), = c.add(fine)
         np.testing.assert_array_equal(np.asarray(traj.valid_actions)[0, 1, 2], valid)
+
+
+def _loop_invalid(valid, dones, rewards):
+    """The chunk-end rule for one row, written as a plain loop (independent of the kernel)."""
+    K = len(valid)
+    for j in range(K):
+        if not valid[j] and (dones[j] or rewards[j] != 0):
+            return True
+        if j + 1 < K:
+            if valid[j] and not valid[j + 1] and not dones[j]:
+                return True
+            if dones[j] and valid[j + 1]:
+                return True
+            if not valid[j] and valid[j + 1] and j > 0 and not dones[j - 1]:
+                return True
+    return False
+
+
+def test_the_host_mask_rule_equals_a_plain_loop_on_every_row_of_three_actions():
+    import itertools
+    from jaxtraj.checks import invalid_action_rows
+
+    rows = [(v, d, r) for v in itertools.product([0, 1], repeat=3)
+            for d in itertools.product([0, 1], repeat=3) for r in ([0, 0, 0], [0, 0, 1.5])]
+    valid = np.asarray([v for v, _, _ in rows], bool)
+    dones = np.asarray([d for _, d, _ in rows], bool)
+    rewards = np.asarray([r for _, _, r in rows], np.float32)
+    want = [_loop_invalid(*row) for row in rows]
+    no = np.zeros_like(dones)
+    tr = jaxtraj.EnvTransition(rewards=rewards, terminations=dones, truncations=no,
+                               valid_actions=valid)
+    np.testing.assert_array_equal(invalid_action_rows(np, tr), want)
+    np.testing.assert_array_equal(np.asarray(invalid_action_rows(jnp, tr)), want)
+    # A batch whose rows all ran (the host's fast path), dones anywhere; chunk-level dones.
+    ran = valid.all(axis=1)
+    full = tr.replace(valid_actions=np.ones_like(valid))
+    np.testing.assert_array_equal(
+        invalid_action_rows(np, full), [_loop_invalid([1, 1, 1], d, r) for _, d, r in rows])
+    chunk = jaxtraj.EnvTransition(rewards=rewards[ran], dones=dones[ran, -1],
+                                  valid_actions=valid[ran])  # a done on the last action
+    assert ran.sum() == 16 and not np.any(invalid_action_rows(np, chunk))

@@ -213,8 +213,8 @@ def join_rows(obs: Sequence[PyTree], rngs: Sequence[np.ndarray], slots: int) -> 
 
 def split_rows(output: PolicyOutput, count: int, rows: int) -> list[PolicyOutput]:
     """The first ``count`` chunks' outputs (``rows`` rows each) of a joined call's
-    output, as host arrays; the padding's rows are dropped."""
-    output = jax.tree.map(np.asarray, output)
+    output (host arrays, as :func:`stamp_versions` gives them); the padding's rows are
+    dropped."""
     if count == 1 and np.shape(output.actions)[0] == rows:
         return [output]
     return [jax.tree.map(lambda x, j=j: x[j * rows : (j + 1) * rows], output) for j in range(count)]
