@@ -64,6 +64,15 @@ machine, for AsyncRunner with thread workers and with process workers alike: ``b
 rank) at least 0.9x ``b`` and ``b_proc`` on ``hopper`` (the ratio per round of the
 two, measured side by side).
 
+What the machine allows (``env_scaling``, not ``--quick``): each env's raw vector env (no
+adapter, no policy) stepping a training step's ``T * K`` vector steps with random
+actions, in fresh processes: one of B (the hand loop's), one of B/2 alone, and two of B/2
+at once. ``speedup_2_processes`` (B alone over the slower of the two at once) is what
+stepping two ranks in parallel processes gains on the env's own work: near or below 1,
+two env processes on this machine step no faster than one process of both (EnvPool's own
+threads already use every core; or the VM's two vCPUs share one core's time), and the
+runners can only gain what inference takes.
+
     python benchmarks/host_env.py [--quick] [--camera] [--rounds 11] [--steps 4]
 
 Writes ``benchmarks/results/host_env.json`` and prints a markdown table.
@@ -618,6 +627,78 @@ class Runner:
             self.items += len(self.runner.run(num_steps=1))
 
 
+# --------------------------------------------------------------------------- the machine
+
+
+def _step_raw(kind, task, n, steps, ready, go, out):
+    """A process: ``steps`` training steps' vector steps of a raw env of ``n``, timed
+    from ``go`` (set once every process of the probe is ready)."""
+    env = RawLoopEnv(kind, task, n, seed=0)
+    A = env.raw.single_action_space.shape[0] if hasattr(env.raw, "single_action_space") else (
+        env.raw.action_space.shape[-1])
+    rng = np.random.default_rng(0)
+    actions = rng.uniform(-1, 1, (steps * T * K + 16, n, A)).astype(np.float32)
+    for a in actions[:16]:  # warm-up
+        env.step(a)
+    ready.put(None)
+    go.wait()
+    c0, t0 = time.process_time(), time.perf_counter()
+    for a in actions[16:]:
+        env.step(a)
+    out.put(((time.perf_counter() - t0) / steps * 1e3, (time.process_time() - c0) / steps * 1e3))
+
+
+def _probe(kind, task, sizes, steps):
+    """Each size's env in a process of its own, all stepping at once; ms per training step
+    (wall, CPU) of each."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    ready, go, out = ctx.Queue(), ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_step_raw, args=(kind, task, n, steps, ready, go, out))
+             for n in sizes]
+    for p in procs:
+        p.start()
+    for _ in procs:
+        ready.get(timeout=120)
+    go.set()
+    got = [out.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join(10)
+    return got
+
+
+def env_scaling(spec, steps: int, reps: int = 3) -> dict:
+    """Raw env stepping, B in one process, B/2 alone, 2 x B/2 at once (medians of
+    ``reps`` alternating repetitions): what parallel env processes gain on this machine."""
+    B = spec["B"]
+    rows = {"alone_B": [], "alone_half": [], "two_halves_at_once": []}
+    for _ in range(reps):
+        rows["alone_B"].append(_probe(spec["kind"], spec["task"], [B], steps)[0])
+        rows["alone_half"].append(_probe(spec["kind"], spec["task"], [B // 2], steps)[0])
+        both = _probe(spec["kind"], spec["task"], [B // 2, B // 2], steps)
+        rows["two_halves_at_once"].append(max(both))  # the slower one sets the pace
+    res = {k: {"ms_per_training_step": statistics.median(w for w, _ in v),
+               "cpu_ms_per_training_step": statistics.median(c for _, c in v)}
+           for k, v in rows.items()}
+    res["speedup_2_processes"] = (res["alone_B"]["ms_per_training_step"]
+                              / res["two_halves_at_once"]["ms_per_training_step"])
+    res["half_slowdown_at_once"] = (res["two_halves_at_once"]["ms_per_training_step"]
+                                    / res["alone_half"]["ms_per_training_step"])
+    return res
+
+
+def scaling_line(name: str, sc: dict) -> str:
+    return (
+        f"{name}: raw env, ms per training step: B alone "
+        f"{sc['alone_B']['ms_per_training_step']:.0f}, B/2 alone "
+        f"{sc['alone_half']['ms_per_training_step']:.0f}, two B/2 at once "
+        f"{sc['two_halves_at_once']['ms_per_training_step']:.0f} (each "
+        f"{sc['half_slowdown_at_once']:.2f}x as slow as alone): stepping two processes at once "
+        f"is {sc['speedup_2_processes']:.2f}x one process of B"
+    )
+
+
 # --------------------------------------------------------------------------- the bench
 
 
@@ -822,6 +903,8 @@ def main():
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None, help="training steps per repetition")
     parser.add_argument("--out", default=str(HERE / "results" / "host_env.json"))
+    parser.add_argument("--no-scaling", action="store_true",
+                        help="skip the raw env probe of what parallel env processes gain")
     args = parser.parse_args()
     rounds = args.rounds or (3 if args.quick else 11)
     steps = args.steps or (1 if args.quick else 4)
@@ -845,6 +928,11 @@ def main():
                                  camera)
     if any(c.startswith("d") for c in configs):
         ray.shutdown()
+    scaling = {}
+    if not args.quick and not args.no_scaling:  # what two env processes gain here
+        for name in args.envs.split(","):
+            scaling[name] = env_scaling(ENVS[name], steps=2 if name == "sleep1ms" else 4)
+            print(scaling_line(name, scaling[name]), flush=True)
     out = {
         "benchmark": "host_env",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -861,6 +949,7 @@ def main():
         # noisy run is marked as one.
         "cpu_steal_share": steal_share(cpu_start, cpu_times()),
         "results": results,
+        "env_scaling": scaling,
     }
     m = out["machine"]
     machine_line = (
@@ -880,6 +969,8 @@ def main():
     print(table(results))
     print(f"\nTargets (issue 26) on {machine_line}:\n")
     print(targets_table(out["targets"]))
+    for name, sc in scaling.items():
+        print(scaling_line(name, sc))
     print(f"\nwrote {path} ({out['seconds']:.0f} s)")
 
 

@@ -216,6 +216,19 @@ def page_host_env(d: dict, out: Path) -> str:
             [[t["env"], t["config"], t["reference"], f">= {t['target']}x",
               "-" if t["ratio"] is None else f"{t['ratio']:.2f}x", t["status"]]
              for t in d["targets"]])
+    if d.get("env_scaling"):
+        text += ("\n### What two env processes gain here\n\nEach env's raw vector env (no "
+                 "adapter, no policy), a training step's vector steps in fresh processes: "
+                 "one of B, one of B/2 alone, two of B/2 at once (the slower sets the pace). "
+                 "Near or below 1x, parallel env processes step no faster on this machine "
+                 "than one process of both, and a runner can only gain what inference "
+                 "takes.\n\n") + table(
+            ["env", "B alone (ms)", "B/2 alone (ms)", "two B/2 at once (ms)",
+             "two at once against B alone"],
+            [[name, sc["alone_B"]["ms_per_training_step"],
+              sc["alone_half"]["ms_per_training_step"],
+              sc["two_halves_at_once"]["ms_per_training_step"],
+              f"{sc['speedup_2_processes']:.2f}x"] for name, sc in d["env_scaling"].items()])
     return text + "\n" + _save(fig, out, "host_env.png")
 
 

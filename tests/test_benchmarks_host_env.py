@@ -32,6 +32,7 @@ def test_host_env_benchmark_smoke(tmp_path):
             "1",
             "--out",
             str(out),
+            "--no-scaling",
         ],
         check=True,
         capture_output=True,
@@ -43,3 +44,18 @@ def test_host_env_benchmark_smoke(tmp_path):
     for entry in res["configs"].values():
         assert entry["steps_per_s_median"] > 0
     assert 0 < res["configs"]["b"]["collector_share_median"] < 1
+
+
+def test_env_scaling_probe_times_one_and_two_env_processes():
+    pytest.importorskip("gymnasium")
+    pytest.importorskip("mujoco")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import host_env
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    sc = host_env.env_scaling(host_env.ENVS["hopper"], steps=1, reps=1)
+    alone, two = sc["alone_B"]["ms_per_training_step"], sc["two_halves_at_once"]["ms_per_training_step"]
+    assert alone > 0 and two > 0 and sc["alone_half"]["cpu_ms_per_training_step"] > 0
+    assert sc["speedup_2_processes"] == pytest.approx(alone / two)
+    assert "stepping two processes at once" in host_env.scaling_line("hopper", sc)
