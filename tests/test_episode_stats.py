@@ -6,6 +6,8 @@ chunk-end modes, over several training steps (episodes that span steps); and the
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +15,7 @@ import pytest
 
 import jaxtraj
 from jaxtraj import CollectorError, ErrorCode, PolicyOutput, TrajectoryKey, TrajectoryPlan
+from jaxtraj.checks import invalid_action_rows
 from jaxtraj.envs import GymnasiumEnv, example_parts
 from jaxtraj.runners.service import env_part
 
@@ -156,9 +159,6 @@ def _loop_invalid(valid, dones, rewards):
 
 
 def test_the_host_mask_rule_equals_a_plain_loop_on_every_row_of_three_actions():
-    import itertools
-    from jaxtraj.checks import invalid_action_rows
-
     rows = [(v, d, r) for v in itertools.product([0, 1], repeat=3)
             for d in itertools.product([0, 1], repeat=3) for r in ([0, 0, 0], [0, 0, 1.5])]
     valid = np.asarray([v for v, _, _ in rows], bool)
