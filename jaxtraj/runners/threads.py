@@ -47,8 +47,10 @@ from __future__ import annotations
 
 import collections
 import heapq
+import math
 import queue
 import random
+import select
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -739,8 +741,6 @@ class AsyncRunner:
             self._leave_outbox()
 
     def _serve_processes(self, ctx: dict) -> None:
-        from multiprocessing.connection import wait
-
         plan, n_env = self.plan, len(self.envs)
         self._per_env = per_env = self._run_steps * plan.num_epochs * plan.num_chunks
         rand = random.Random(self.seed * 7919)
@@ -751,7 +751,7 @@ class AsyncRunner:
         self._asked = asked = [0] * n_env  # action requests made in this run
         self._ready = ready = []  # (env index, key, obs): action requests to serve
         done = [0] * n_env  # chunks executed (results received)
-        conns = {env.connection: i for i, env in enumerate(self.envs)}
+        wait = _Readable([env.connection for env in self.envs])  # env i's result is in
         for i, env in enumerate(self.envs):
             if self._carry[i] is None:
                 key = ctx["key"] = self._key(self.env_ranks[i], 0)
@@ -807,8 +807,7 @@ class AsyncRunner:
             due = self._arrive()  # parts in transit (jitter_s) that are due
             if due is not None:
                 timeout = min(timeout, due)
-            for conn in wait(list(conns), timeout):
-                i = conns[conn]
+            for i in wait(timeout):
                 key = ctx["key"] = stepping[i]
                 stepping[i] = None
                 try:
@@ -864,6 +863,32 @@ class AsyncRunner:
         alive = [t.name for t in self._threads if t.is_alive()]
         if alive and self._failure is None:
             self._fail("runner", None, RuntimeError(f"threads still running: {alive}"))
+
+
+class _Readable:
+    """The env processes' pipes to wait on, registered once (``select.poll``:
+    ``multiprocessing.connection.wait`` builds a selector per call, a cost on every turn
+    of the process loop); ``wait(timeout_s)`` returns the indices of those with a result
+    (or an end) to read."""
+
+    def __init__(self, connections: Sequence[Any]):
+        self.connections = list(connections)
+        self.poll = select.poll() if hasattr(select, "poll") else None
+        self.index = {}
+        for i, conn in enumerate(self.connections):
+            if self.poll is not None:
+                self.poll.register(conn.fileno(), select.POLLIN)
+            self.index[conn.fileno() if self.poll is not None else conn] = i
+
+    def __call__(self, timeout_s: float) -> list[int]:
+        if self.poll is None:  # no poll(2) (Windows): multiprocessing's wait
+            from multiprocessing.connection import wait
+
+            return [self.index[c] for c in wait(self.connections, timeout_s)]
+        # Whole milliseconds, rounded up (a wait shorter than 1 ms is not a busy loop), never
+        # negative (poll(2) reads a negative timeout as no timeout at all).
+        ms = max(0, math.ceil(timeout_s * 1e3))
+        return [self.index[fd] for fd, _ in self.poll.poll(ms)]
 
 
 class DecoupledRunner(AsyncRunner):
