@@ -453,6 +453,24 @@ def steal_share(start: list[int] | None, end: list[int] | None) -> float | None:
     return (end[7] - start[7]) / total if total > 0 else None
 
 
+def env_process_cpu() -> float:
+    """CPU seconds the env processes this process started (``multiprocessing``'s children:
+    the ``_proc`` configurations' envs) have used so far (``/proc/<pid>/stat``). Those of
+    the configurations not running sit blocked on their pipes, so a configuration's delta
+    is its own env processes' CPU."""
+    import multiprocessing
+
+    total = 0.0
+    for child in multiprocessing.active_children():
+        try:
+            with open(f"/proc/{child.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
 def pin(cpus) -> None:
     """Pin every thread of this process (XLA's, EnvPool's pools, Python's) to ``cpus``;
     threads started later inherit the calling thread's mask."""
@@ -747,6 +765,8 @@ def bench_env(name, spec, configs, rounds, steps, camera, seed=0):
     sps = {c: [] for c in configs}
     share = {c: [] for c in configs}
     add_share = {c: [] for c in configs}
+    cpu = {c: [] for c in configs}  # ms of this process's CPU (all its threads) per step
+    env_cpu = {c: [] for c in configs}  # ms of its env processes' CPU per training step
     for r in range(rounds):
         order = configs[r % len(configs) :] + configs[: r % len(configs)]
         for c in order:
@@ -756,9 +776,11 @@ def bench_env(name, spec, configs, rounds, steps, camera, seed=0):
             if c.endswith("_1core"):
                 pin(one)
             try:
-                t0 = time.perf_counter()
+                kids0, cpu0, t0 = env_process_cpu(), time.process_time(), time.perf_counter()
                 obj.run(steps)
                 wall = time.perf_counter() - t0
+                cpu[c].append(1e3 * (time.process_time() - cpu0) / steps)
+                env_cpu[c].append(1e3 * (env_process_cpu() - kids0) / steps)
             finally:
                 if c.endswith("_1core"):
                     pin(all_cpus)
@@ -790,7 +812,12 @@ def bench_env(name, spec, configs, rounds, steps, camera, seed=0):
             "steps_per_s": sps[c],
             "ratio_to_a_median": statistics.median(ratios),
             "ratio_to_a_per_round": ratios,
+            # CPU per training step: this process's threads (the calling thread, the
+            # runners' workers, XLA's), and (the _proc configurations) their env processes'
+            "cpu_ms_per_training_step_median": statistics.median(cpu[c]),
         }
+        if c.endswith("_proc"):
+            entry["env_process_cpu_ms_per_training_step_median"] = statistics.median(env_cpu[c])
         ref = REF.get(c)
         if ref in sps and ref != c:
             entry["ratio_to"] = ref

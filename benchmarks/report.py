@@ -188,6 +188,15 @@ def page_collect(d: dict, out: Path) -> str:
     return text + "\n" + _save(fig, out, "collect.png")
 
 
+def _cpu(c: dict) -> str:
+    """A host_env configuration's CPU per training step (older results have none)."""
+    if "cpu_ms_per_training_step_median" not in c:
+        return "-"
+    own = f"{c['cpu_ms_per_training_step_median']:.0f}"
+    kids = c.get("env_process_cpu_ms_per_training_step_median")
+    return own if kids is None else f"{own}; {kids:.0f}"
+
+
 def page_host_env(d: dict, out: Path) -> str:
     text = table(["setting", "value"], [list(r) for r in flat(
         {k: d[k] for k in ("sizes", "rounds", "training_steps_per_repetition",
@@ -201,9 +210,9 @@ def page_host_env(d: dict, out: Path) -> str:
                  f"camera {task['camera']}\n\n")
         text += table(
             ["config", "what", "env steps/s (median)", "ratio to (a) (median)",
-             "collector share (median)"],
+             "collector share (median)", "CPU ms / training step: this process; env processes"],
             [[k, c["label"], c["steps_per_s_median"], c.get("ratio_to_a_median", "-"),
-              c.get("collector_share_median", "-")] for k, c in cfg.items()])
+              c.get("collector_share_median", "-"), _cpu(c)] for k, c in cfg.items()])
         keys = [k for k in cfg if not k.endswith("_null")]  # instant envs: another scale
         ax.bar(keys, [cfg[k].get("ratio_to_a_median", 0) for k in keys])
         ax.set_title(f"{name} (without the instant-env configs)", fontsize=8)

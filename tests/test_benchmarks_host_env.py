@@ -44,6 +44,9 @@ def test_host_env_benchmark_smoke(tmp_path):
     for entry in res["configs"].values():
         assert entry["steps_per_s_median"] > 0
     assert 0 < res["configs"]["b"]["collector_share_median"] < 1
+    # CPU per training step: the env processes of b_proc step the envs, so they use CPU.
+    assert res["configs"]["b_proc"]["env_process_cpu_ms_per_training_step_median"] > 0
+    assert all(e["cpu_ms_per_training_step_median"] > 0 for e in res["configs"].values())
 
 
 def test_env_scaling_probe_times_one_and_two_env_processes():
