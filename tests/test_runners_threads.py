@@ -416,6 +416,27 @@ def test_trajectories_are_bit_identical_whatever_the_batching(cls):
         # last call left, a fresh one, where one run's is one chunk stale: by design.)
 
 
+def test_a_batched_call_waits_only_for_ranks_expected_within_the_wait():
+    """The runners' estimate of when each rank asks next (its step in flight's start
+    plus what its steps took, a running mean), written out by hand: a rank never seen
+    may come at any time; one whose steps take longer than the wait is not waited for."""
+    from jaxtraj.runners.service import _Due
+
+    due = _Due(2)
+    assert due.by(0, 0.0) and due.by(1, 0.0)  # nothing known yet: either may come
+    due.started(0, 10.0)
+    assert due.by(0, 10.001)  # in flight, duration unknown
+    due.back(0, 10.2)  # took 0.2 s
+    assert due.by(0, 10.3)  # not in flight: it asks now
+    due.started(0, 11.0)
+    assert not due.by(0, 11.1) and due.by(0, 11.201)  # back at 11.2
+    due.back(0, 11.4)  # took 0.4 s: the mean of the last ones, 0.5 * (0.2 + 0.4)
+    due.started(0, 12.0)
+    assert not due.by(0, 12.29) and due.by(0, 12.301)  # back at 12.3
+    due.back(1, 5.0)  # a result without a start (a reset): no duration
+    assert due.took[1] is None
+
+
 @pytest.mark.parametrize("cls", [AsyncRunner, DecoupledRunner])
 def test_max_batch_one_is_one_call_per_rank_and_chunk(cls):
     steps = 1

@@ -83,6 +83,7 @@ from jaxtraj.runners.service import (
     RunnerError,
     StepRngs,
     ValueFn,
+    _Due,
     chunk_keys,
     complete_env_part,
     env_part,
@@ -292,9 +293,9 @@ class RayRunner:
         :meth:`run` returns them.
       max_batch, batch_wait_s: with ``policy="learner"``, the most ranks one inference
         serves (default all) and how long the learner waits (default 0: the ranks in
-        when it serves), after the first rank's observation is in, for the others' (as
-        :class:`~jaxtraj.runners.threads.AsyncRunner`'s: the trajectories do not depend
-        on the batching).
+        when it serves), after the first rank's observation is in, for the others'
+        expected within the wait (as :class:`~jaxtraj.runners.threads.AsyncRunner`'s:
+        the trajectories do not depend on the batching).
 
     Example::
 
@@ -443,6 +444,7 @@ class RayRunner:
         # index, no list of them.
         self._rngs = StepRngs(self.plan, self.seed, self.env_ranks, self.stage_id)
         self._ready, self._ready_at, self.calls = [], None, 0
+        self._due = _Due(len(self._ranks))  # when each rank's observation is expected
         for w in self._ranks:
             w.key_at = self._keyer(w.rank)
             w.total, w.n, w.sent, w.failures = n * self.plan.num_epochs * self.plan.num_chunks, 0, 0, 0
@@ -587,14 +589,17 @@ class RayRunner:
 
     def _serve_ready(self) -> None:
         """With the policy in the learner: one inference for the ranks whose observation
-        is in, once ``max_batch`` of them are, or no other rank can join (done, or
-        restarting), or ``batch_wait_s`` has passed since the first."""
+        is in, once ``max_batch`` of them are, or no other rank can join (done,
+        restarting, or not expected back within the wait), or ``batch_wait_s`` has
+        passed since the first."""
         if not self._ready or self._draining:
             return
+        deadline = self._ready_at + self.batch_wait_s
         waiting = [
             w for w in self._ranks if w not in self._ready and w.n < w.total and w.pending
+            and self._due.by(w.index, deadline)
         ]
-        late = time.monotonic() >= self._ready_at + self.batch_wait_s
+        late = time.monotonic() >= deadline
         if len(self._ready) < self._slots and waiting and not late:
             return
         batch = sorted(self._ready[: self._slots], key=lambda w: w.index)
@@ -625,6 +630,7 @@ class RayRunner:
         for w, key, part in zip(batch, keys, parts):  # the actors step while we insert
             w.actions = part.output.actions
             w.pending.append(("step", w.actor.step.remote(key.as_tuple(), w.actions), key))
+            self._due.started(w.index, time.monotonic())
         for part in parts:
             self._consumer.consume("policy_worker", part)
 
@@ -653,6 +659,7 @@ class RayRunner:
         elif kind == "restore":
             pass  # the actor is back at the learner's restore point
         elif kind == "step":
+            self._due.back(w.index, time.monotonic())
             part, out, snapshot = result
             obs = out.obs
             self._checked_obs(w, obs)

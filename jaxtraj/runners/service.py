@@ -444,6 +444,32 @@ def stamp_versions(output: PolicyOutput, version: int, stamp: bool = True) -> Po
     return output
 
 
+class _Due:
+    """When each env rank is expected to ask for actions next: the start of its step in
+    flight plus what its steps have taken (a running mean of the last ones). A batched
+    call waits (at most ``batch_wait_s``) only for the ranks expected within the wait:
+    one whose step will be back later is not waited for, and ranks whose steps take
+    alike fall into step with each other, served by one call."""
+
+    def __init__(self, n: int):
+        self.start: list[float | None] = [None] * n
+        self.took: list[float | None] = [None] * n
+
+    def started(self, i: int, now: float) -> None:
+        self.start[i] = now
+
+    def back(self, i: int, now: float) -> None:
+        start, self.start[i] = self.start[i], None
+        if start is not None:
+            took = now - start
+            self.took[i] = took if self.took[i] is None else 0.5 * (self.took[i] + took)
+
+    def by(self, i: int, deadline: float) -> bool:
+        """Whether rank ``i`` is expected to ask by ``deadline`` (unknown: it may)."""
+        start, took = self.start[i], self.took[i]
+        return start is None or took is None or start + took <= deadline
+
+
 class ObservationCheck:
     """Checks an environment's observations against the collector's layout, once per
     signature (structure, shapes, dtypes), so a wrong observation names the env worker
