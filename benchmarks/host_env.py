@@ -31,6 +31,9 @@ episode), ``K = 4`` actions per chunk, ``T = 16`` chunks per training step, ``E 
   factory in a process of its own, the thread calling ``run`` serving both through their
   pipes and inserting the halves (a gymnasium step is Python holding the GIL: only
   processes step two in parallel);
+- ``bw_proc``: ``b_proc`` with ``batch_wait_s=0.005``: a request waits up to 5 ms for
+  the other rank's when that one is expected back within it (the ranks fall into step,
+  one ``policy_fn`` call a chunk instead of up to two: less CPU, where CPUs are short);
 - ``b4``, ``b4_proc``: ``b`` and ``b_proc`` with four env ranks of B/4 (``sleep1ms``
   only);
 - ``c``, ``c_proc``: :class:`~jaxtraj.runners.threads.DecoupledRunner`, the same setups;
@@ -58,7 +61,8 @@ observation (a few pixels set from the state: MuJoCo cannot render here).
 
 Targets (issue 26), each printed as met or missed with the measured median ratio and the
 machine, for AsyncRunner with thread workers and with process workers alike: ``b`` /
-``b_proc`` at least 1.0x ``a`` on ``hopper`` and ``halfcheetah``; on ``sleep1ms`` ``b`` /
+``b_proc`` (and ``bw_proc``) at least 1.0x ``a`` on ``hopper`` and ``halfcheetah``; on
+``sleep1ms`` ``b`` /
 ``b_proc`` at least 1.8x ``a``, ``b4`` / ``b4_proc`` at least 3.4x and ``d4`` /
 ``d4_actor`` at least 3x; ``d`` and ``d_actor`` (Ray with several chunks in flight per
 rank) at least 0.9x ``b`` and ``b_proc`` on ``hopper`` (the ratio per round of the
@@ -124,13 +128,13 @@ ENVS = {
     "sleep1ms": dict(kind="sleep", task="Sleep1ms", B=8),
 }
 CONFIGS = [
-    "a", "a_adapter", "a_collector", "b", "b_proc", "b4", "b4_proc", "c", "c_proc", "d",
+    "a", "a_adapter", "a_collector", "b", "b_proc", "bw_proc", "b4", "b4_proc", "c", "c_proc", "d",
     "d_actor", "d4", "d4_actor", "a_1core", "b_1core", "a_null", "b_null",
 ]
 # configurations measured on some envs only
 ONLY = {"b4": {"sleep1ms"}, "b4_proc": {"sleep1ms"}, "d4": {"sleep1ms"}, "d4_actor": {"sleep1ms"}}
 # On the latency-bound env: what is measured is overlap (the rest is the CPU-bound envs').
-SLEEP_CONFIGS = {"a", "b", "b_proc", "b4", "b4_proc", "d", "d4", "d4_actor"}
+SLEEP_CONFIGS = {"a", "b", "b_proc", "bw_proc", "b4", "b4_proc", "d", "d4", "d4_actor"}
 RANKS = {"b4": 4, "b4_proc": 4, "d4": 4, "d4_actor": 4}
 # (env, configuration, reference configuration, the least ratio): issue 26's targets, for
 # AsyncRunner with thread workers (b, b4) and process workers (b_proc, b4_proc) alike.
@@ -139,6 +143,8 @@ TARGETS = [
     ("hopper", "b_proc", "a", 1.0),
     ("halfcheetah", "b", "a", 1.0),
     ("halfcheetah", "b_proc", "a", 1.0),
+    ("hopper", "bw_proc", "a", 1.0),
+    ("halfcheetah", "bw_proc", "a", 1.0),
     ("sleep1ms", "b", "a", 1.8),
     ("sleep1ms", "b_proc", "a", 1.8),
     ("sleep1ms", "b4", "a", 3.4),
@@ -157,6 +163,7 @@ LABELS = {
     "a_collector": "(a') hand loop + collector.add",
     "b": "(b) AsyncRunner, 2 ranks",
     "b_proc": "(b) AsyncRunner, 2 ranks, env processes",
+    "bw_proc": "(bw) AsyncRunner, 2 ranks, env processes, batch_wait_s 5 ms",
     "b4": "(b4) AsyncRunner, 4 ranks",
     "b4_proc": "(b4) AsyncRunner, 4 ranks, env processes",
     "c": "(c) DecoupledRunner, 2 ranks",
@@ -636,6 +643,8 @@ class Runner:
                 probe.close()
                 envs = [functools.partial(factory, r) for r in range(ranks)]
                 opts["env_workers"] = "process"
+            if which.startswith("bw"):
+                opts["batch_wait_s"] = 0.005
             self.runner = cls(self.collector, envs, policy_fn, params, value_fn=value_fn,
                               seed=seed, **opts)
         self.items = 0

@@ -17,7 +17,7 @@ def test_host_env_benchmark_smoke(tmp_path):
     pytest.importorskip("gymnasium")
     pytest.importorskip("mujoco")
     out = tmp_path / "host_env.json"
-    configs = "a,a_adapter,a_collector,b,b_proc,c,a_null,b_null"
+    configs = "a,a_adapter,a_collector,b,b_proc,bw_proc,c,a_null,b_null"
     subprocess.run(
         [
             sys.executable,
