@@ -157,12 +157,12 @@ class AsyncRunner:
         ask, nor for one whose step will be back later. Default 0: every request
         already in when a call starts joins it, and no rank waits for another (the
         faster where CPUs are idle: a latency-bound simulator, a 1 ms step, measured
-        1.79x the hand loop with 2 process ranks against 1.75x with 5 ms). Where CPUs
+        1.80x the hand loop with 2 process ranks against 1.79x with 5 ms). Where CPUs
         are short (CPU-bound simulators on few cores) or a call is costly (a large
         model), a few ms lets the ranks fall into step, one call serving them all:
-        on 2 cores, gymnasium Hopper with 2 process ranks 1.06x the hand loop with 5 ms
-        against 0.95x, EnvPool HalfCheetah 0.58x against 0.53x. A performance knob
-        only: the trajectories do not depend on it.
+        on 2 cores, gymnasium Hopper with 2 process ranks 1.01x the hand loop with 5 ms
+        against 0.84x, EnvPool HalfCheetah 0.71x against 0.62x (benchmarks/host_env.py).
+        A performance knob only: the trajectories do not depend on it.
       env_workers: where factories build and step their envs: ``"thread"`` (a thread
         of the env's own, :class:`~jaxtraj.runners.bound.ThreadBoundEnv`) or
         ``"process"`` (a process of its own,
