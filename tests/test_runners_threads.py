@@ -711,6 +711,34 @@ def _locked_factory():
     return lambda: (lock, PointEnv(1))[1]
 
 
+class SlowAtEnv(PointEnv):
+    """A PointEnv whose step at one key takes ``delay_s``."""
+
+    def __init__(self, rank, slow_at, delay_s):
+        super().__init__(rank)
+        self.slow_at, self.slow_s = slow_at, delay_s
+
+    def step(self, key, actions):
+        if key.as_tuple() == self.slow_at:
+            time.sleep(self.slow_s)
+        return super().step(key, actions)
+
+
+class DiesIdleEnv(PointEnv):
+    """A PointEnv whose process exits shortly after it answered one key's step, while
+    it has no step to run."""
+
+    def __init__(self, rank, die_after):
+        super().__init__(rank)
+        self.die_after = die_after
+
+    def step(self, key, actions):
+        out = super().step(key, actions)
+        if key.as_tuple() == self.die_after:  # after the step: its answer goes out first
+            threading.Timer(0.2, os._exit, (3,)).start()
+        return out
+
+
 def test_process_workers_bad_factories_and_crashes_name_the_rank():
     from jaxtraj.runners.bound import ProcessBoundEnv
 
@@ -739,6 +767,16 @@ def test_process_workers_bad_factories_and_crashes_name_the_rank():
     with runner, pytest.raises(RunnerError, match=r"process ended \(exit code 3\)") as info:
         runner.run()
     assert info.value.worker == "env_worker_1" and info.value.key == fail
+    assert runner_threads() == []
+    assert jaxtraj_children() == []
+    # One that dies with no step to run (its request waits for rank 0's slow step): named,
+    # with no key (it was running none), not an AttributeError of the runner's.
+    runner = AsyncRunner(make_collector(), [functools.partial(SlowAtEnv, 0, (0, 0, 0, 0, 0), 1.0),
+                                            functools.partial(DiesIdleEnv, 1, (0, 0, 1, 0, 0))],
+                         policy_fn, PARAMS, env_workers="process", batch_wait_s=5.0)
+    with runner, pytest.raises(RunnerError, match=r"process ended \(exit code 3\)") as info:
+        runner.run()
+    assert info.value.worker == "env_worker_1" and info.value.key is None
     assert runner_threads() == []
     assert jaxtraj_children() == []
 

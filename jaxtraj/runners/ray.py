@@ -595,9 +595,9 @@ class RayRunner:
         if not self._ready or self._draining:
             return
         deadline = self._ready_at + self.batch_wait_s
-        waiting = [
+        waiting = [  # a restarting rank (pinged, or being restored) is not waited for
             w for w in self._ranks if w not in self._ready and w.n < w.total and w.pending
-            and self._due.by(w.index, deadline)
+            and w.pending[-1][0] in ("step", "reset") and self._due.by(w.index, deadline)
         ]
         late = time.monotonic() >= deadline
         if len(self._ready) < self._slots and waiting and not late:
@@ -712,6 +712,7 @@ class RayRunner:
         if self._draining or w.failures > self.max_restarts:
             raise RunnerError(w.name, w.key(), exc, self.delivered) from exc
         self.restarts += 1
+        self._due.forget(w.index)  # the restart is not a step to time
         w.pending.clear()  # later requests went to the dead process: redo them too
         w.sent = w.n
         w.pending.append(("ping", w.actor.pid.remote(), None))
@@ -724,6 +725,7 @@ class RayRunner:
             if self.policy == "learner" and w.n < w.total and w.actions is not None:
                 key = w.key_at(w.n)  # the same actions again: the chunk's policy half is in
                 w.pending.append(("step", w.actor.step.remote(key.as_tuple(), w.actions), key))
+                self._due.started(w.index, time.monotonic())
                 return
         self._submit(w)
 

@@ -446,10 +446,10 @@ def stamp_versions(output: PolicyOutput, version: int, stamp: bool = True) -> Po
 
 class _Due:
     """When each env rank is expected to ask for actions next: the start of its step in
-    flight plus what its steps have taken (a running mean of the last ones). A batched
-    call waits (at most ``batch_wait_s``) only for the ranks expected within the wait:
-    one whose step will be back later is not waited for, and ranks whose steps take
-    alike fall into step with each other, served by one call."""
+    flight plus what its steps have taken (an exponential average, each new step half
+    the weight). A batched call waits (at most ``batch_wait_s``) only for the ranks
+    expected within the wait: one whose step will be back later is not waited for, and
+    ranks whose steps take alike fall into step with each other, served by one call."""
 
     def __init__(self, n: int):
         self.start: list[float | None] = [None] * n
@@ -463,6 +463,10 @@ class _Due:
         if start is not None:
             took = now - start
             self.took[i] = took if self.took[i] is None else 0.5 * (self.took[i] + took)
+
+    def forget(self, i: int) -> None:
+        """Rank ``i``'s step in flight is lost (its actor restarts): no step to time."""
+        self.start[i] = None
 
     def by(self, i: int, deadline: float) -> bool:
         """Whether rank ``i`` is expected to ask by ``deadline`` (unknown: it may)."""

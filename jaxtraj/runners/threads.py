@@ -150,19 +150,21 @@ class AsyncRunner:
         rank's chunk, ``B`` rows (what a per-rank hand loop, or Ray's
         ``policy="actor"``, computes).
       batch_wait_s: after the first request of a call arrives, how long the policy
-        worker waits for the other ranks' before calling ``policy_fn`` with those
-        that are ready. It waits only for ranks expected within the wait (each rank's
-        step in flight started when its actions were sent; what its last steps took,
-        a running mean, says when it is back): never for a rank with nothing left to
-        ask, nor for one whose step will be back later. Default 0: every request
-        already in when a call starts joins it, and no rank waits for another (the
-        faster where CPUs are idle: a latency-bound simulator, a 1 ms step, measured
-        1.80x the hand loop with 2 process ranks against 1.79x with 5 ms). Where CPUs
-        are short (CPU-bound simulators on few cores) or a call is costly (a large
-        model), a few ms lets the ranks fall into step, one call serving them all:
-        on 2 cores, gymnasium Hopper with 2 process ranks 1.01x the hand loop with 5 ms
-        against 0.84x, EnvPool HalfCheetah 0.71x against 0.62x (benchmarks/host_env.py).
-        A performance knob only: the trajectories do not depend on it.
+        worker (with env processes, the thread calling :meth:`run`) waits for the
+        other ranks' before calling ``policy_fn`` with those that are ready (with env
+        processes, in whole ms rounded up). It waits only for ranks expected within the
+        wait (a rank's step in flight started when its actions were sent; an
+        exponential average of what its steps took says when it is back): never for a
+        rank with nothing left to ask, nor for one whose step will be back later.
+        Default 0: every request already in when a call starts joins it, and no rank
+        waits for another. Where CPUs idle (a latency-bound simulator) waiting buys
+        nothing and can cost: a 1 ms step with 4 process ranks measured 3.15x the hand
+        loop without against 2.91x with 5 ms (2 ranks: about equal). Where CPUs are
+        short (CPU-bound simulators on few cores) or a call is costly (a large model), a
+        few ms lets the ranks fall into step, one call serving them all: on 2 cores,
+        gymnasium Hopper with 2 process ranks 1.01x the hand loop with 5 ms against
+        0.84x, EnvPool HalfCheetah 0.71x against 0.62x (benchmarks/host_env.py). A
+        performance knob only: the trajectories do not depend on it.
       env_workers: where factories build and step their envs: ``"thread"`` (a thread
         of the env's own, :class:`~jaxtraj.runners.bound.ThreadBoundEnv`) or
         ``"process"`` (a process of its own,
@@ -628,12 +630,13 @@ class AsyncRunner:
 
         def take(item: tuple) -> None:
             i, key, obs, pending = item
+            if key is not None:  # when it asked (before this side's own work on the item)
+                self._due.back(i, time.monotonic())
             if pending is not None:
                 with self._lock:
                     params = self._params
                 self._complete(pending, params, rand, ctx)
             if key is not None:
-                self._due.back(i, time.monotonic())
                 asks[i] -= 1
                 ready.append((i, key, obs))
 
@@ -827,8 +830,8 @@ class AsyncRunner:
                 expect.back(i, time.monotonic())
                 try:
                     out = self.envs[i].receive()
-                except Exception as exc:
-                    raise RunnerError(names[i], key.as_tuple(), exc) from exc
+                except Exception as exc:  # key None: its process ended with no step to run
+                    raise RunnerError(names[i], key and key.as_tuple(), exc) from exc
                 if held[i] is not None:  # the next chunk's actions: its step starts at once
                     (k, actions), held[i] = held[i], None
                     self._send_step(i, k, actions, out.obs)
