@@ -62,11 +62,10 @@ observation (a few pixels set from the state: MuJoCo cannot render here).
 Targets (issue 26), each printed as met or missed with the measured median ratio and the
 machine, for AsyncRunner with thread workers and with process workers alike: ``b`` /
 ``b_proc`` (and ``bw_proc``) at least 1.0x ``a`` on ``hopper`` and ``halfcheetah``; on
-``sleep1ms`` ``b`` /
-``b_proc`` at least 1.8x ``a``, ``b4`` / ``b4_proc`` at least 3.4x and ``d4`` /
-``d4_actor`` at least 3x; ``d`` and ``d_actor`` (Ray with several chunks in flight per
-rank) at least 0.9x ``b`` and ``b_proc`` on ``hopper`` (the ratio per round of the
-two, measured side by side).
+``sleep1ms`` ``b`` / ``b_proc`` at least 1.8x ``a``, ``b4`` / ``b4_proc`` at least 3.4x
+and ``d4`` / ``d4_actor`` at least 3x; ``d`` and ``d_actor`` (Ray with several chunks
+in flight per rank) at least 0.9x ``b`` and ``b_proc`` on ``hopper`` (the ratio per round
+of the two, measured side by side).
 
 What the machine allows (``env_scaling``, not ``--quick``): each env's raw vector env (no
 adapter, no policy) stepping a training step's ``T * K`` vector steps with random
@@ -464,7 +463,8 @@ def env_process_cpu() -> float:
     """CPU seconds the env processes this process started (``multiprocessing``'s children:
     the ``_proc`` configurations' envs) have used so far (``/proc/<pid>/stat``). Those of
     the configurations not running sit blocked on their pipes, so a configuration's delta
-    is its own env processes' CPU."""
+    is its own env processes' CPU. In clock ticks (10 ms on Linux): a repetition's figure
+    is that coarse."""
     import multiprocessing
 
     total = 0.0

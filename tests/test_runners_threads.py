@@ -418,7 +418,7 @@ def test_trajectories_are_bit_identical_whatever_the_batching(cls):
 
 def test_a_batched_call_waits_only_for_ranks_expected_within_the_wait():
     """The runners' estimate of when each rank asks next (its step in flight's start
-    plus what its steps took, a running mean), written out by hand: a rank never seen
+    plus an exponential average of what its steps took), written out by hand: a rank never seen
     may come at any time; one whose steps take longer than the wait is not waited for."""
     from jaxtraj.runners.service import _Due
 
@@ -430,7 +430,7 @@ def test_a_batched_call_waits_only_for_ranks_expected_within_the_wait():
     assert due.by(0, 10.3)  # not in flight: it asks now
     due.started(0, 11.0)
     assert not due.by(0, 11.1) and due.by(0, 11.201)  # back at 11.2
-    due.back(0, 11.4)  # took 0.4 s: the mean of the last ones, 0.5 * (0.2 + 0.4)
+    due.back(0, 11.4)  # took 0.4 s: each new step half the weight, 0.5 * (0.2 + 0.4)
     due.started(0, 12.0)
     assert not due.by(0, 12.29) and due.by(0, 12.301)  # back at 12.3
     due.back(1, 5.0)  # a result without a start (a reset): no duration

@@ -712,7 +712,6 @@ class RayRunner:
         if self._draining or w.failures > self.max_restarts:
             raise RunnerError(w.name, w.key(), exc, self.delivered) from exc
         self.restarts += 1
-        self._due.forget(w.index)  # the restart is not a step to time
         w.pending.clear()  # later requests went to the dead process: redo them too
         w.sent = w.n
         w.pending.append(("ping", w.actor.pid.remote(), None))

@@ -464,10 +464,6 @@ class _Due:
             took = now - start
             self.took[i] = took if self.took[i] is None else 0.5 * (self.took[i] + took)
 
-    def forget(self, i: int) -> None:
-        """Rank ``i``'s step in flight is lost (its actor restarts): no step to time."""
-        self.start[i] = None
-
     def by(self, i: int, deadline: float) -> bool:
         """Whether rank ``i`` is expected to ask by ``deadline`` (unknown: it may)."""
         start, took = self.start[i], self.took[i]

@@ -892,11 +892,14 @@ class _Readable:
     def __init__(self, connections: Sequence[Any]):
         self.connections = list(connections)
         self.poll = select.poll() if hasattr(select, "poll") else None
+        # What a wait returns (a file descriptor, or without poll(2) the connection) -> i
         self.index = {}
         for i, conn in enumerate(self.connections):
-            if self.poll is not None:
-                self.poll.register(conn.fileno(), select.POLLIN)
-            self.index[conn.fileno() if self.poll is not None else conn] = i
+            if self.poll is None:
+                self.index[conn] = i
+                continue
+            self.poll.register(conn.fileno(), select.POLLIN)
+            self.index[conn.fileno()] = i
 
     def __call__(self, timeout_s: float) -> list[int]:
         if self.poll is None:  # no poll(2) (Windows): multiprocessing's wait
