@@ -163,7 +163,7 @@ class AsyncRunner:
         short (CPU-bound simulators on few cores) or a call is costly (a large model), a
         few ms lets the ranks fall into step, one call serving them all: on 2 cores,
         gymnasium Hopper with 2 process ranks 1.01x the hand loop with 5 ms against
-        0.84x, EnvPool HalfCheetah 0.71x against 0.62x (benchmarks/host_env.py). A
+        0.84x, EnvPool HalfCheetah 0.71x against 0.67x (benchmarks/host_env.py). A
         performance knob only: the trajectories do not depend on it.
       env_workers: where factories build and step their envs: ``"thread"`` (a thread
         of the env's own, :class:`~jaxtraj.runners.bound.ThreadBoundEnv`) or
