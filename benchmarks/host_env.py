@@ -26,11 +26,15 @@ episode), ``K = 4`` actions per chunk, ``T = 16`` chunks per training step, ``E 
   every chunk (rollout mode, flushed each step), to isolate the collector's cost;
 - ``b``: :class:`~jaxtraj.runners.threads.AsyncRunner`, two env ranks (two vector envs
   of B/2 each), ``value_fn`` on the policy side, ``run(num_steps=1)`` per training step;
-  one ``policy_fn`` call serves both ranks (B rows, as the hand loop's);
+  one ``policy_fn`` call serves the ranks ready (B rows, as the hand loop's), its default
+  ``batch_wait_s="auto"`` (a wait where the ranks' envs compute, none where they wait:
+  the wait it chose is recorded, ``batch_wait_ms``);
 - ``b_proc``: ``b`` with ``env_workers="process"``: each rank's env built from a
   factory in a process of its own, the thread calling ``run`` serving both through their
   pipes and inserting the halves (a gymnasium step is Python holding the GIL: only
   processes step two in parallel);
+- ``b0_proc``: ``b_proc`` with ``batch_wait_s=0``: no rank waits for another (the default
+  before ``"auto"``);
 - ``bw_proc``: ``b_proc`` with ``batch_wait_s=0.005``: a request waits up to 5 ms for
   the other rank's when that one is expected back within it (the ranks fall into step,
   one ``policy_fn`` call a chunk instead of up to two: less CPU, where CPUs are short);
@@ -127,13 +131,14 @@ ENVS = {
     "sleep1ms": dict(kind="sleep", task="Sleep1ms", B=8),
 }
 CONFIGS = [
-    "a", "a_adapter", "a_collector", "b", "b_proc", "bw_proc", "b4", "b4_proc", "c", "c_proc", "d",
+    "a", "a_adapter", "a_collector", "b", "b_proc", "b0_proc", "bw_proc", "b4", "b4_proc", "c",
+    "c_proc", "d",
     "d_actor", "d4", "d4_actor", "a_1core", "b_1core", "a_null", "b_null",
 ]
 # configurations measured on some envs only
 ONLY = {"b4": {"sleep1ms"}, "b4_proc": {"sleep1ms"}, "d4": {"sleep1ms"}, "d4_actor": {"sleep1ms"}}
 # On the latency-bound env: what is measured is overlap (the rest is the CPU-bound envs').
-SLEEP_CONFIGS = {"a", "b", "b_proc", "bw_proc", "b4", "b4_proc", "d", "d4", "d4_actor"}
+SLEEP_CONFIGS = {"a", "b", "b_proc", "b0_proc", "bw_proc", "b4", "b4_proc", "d", "d4", "d4_actor"}
 RANKS = {"b4": 4, "b4_proc": 4, "d4": 4, "d4_actor": 4}
 # (env, configuration, reference configuration, the least ratio): issue 26's targets, for
 # AsyncRunner with thread workers (b, b4) and process workers (b_proc, b4_proc) alike.
@@ -162,6 +167,7 @@ LABELS = {
     "a_collector": "(a') hand loop + collector.add",
     "b": "(b) AsyncRunner, 2 ranks",
     "b_proc": "(b) AsyncRunner, 2 ranks, env processes",
+    "b0_proc": "(b0) AsyncRunner, 2 ranks, env processes, batch_wait_s 0",
     "bw_proc": "(bw) AsyncRunner, 2 ranks, env processes, batch_wait_s 5 ms",
     "b4": "(b4) AsyncRunner, 4 ranks",
     "b4_proc": "(b4) AsyncRunner, 4 ranks, env processes",
@@ -645,6 +651,8 @@ class Runner:
                 opts["env_workers"] = "process"
             if which.startswith("bw"):
                 opts["batch_wait_s"] = 0.005
+            if which.startswith("b0"):
+                opts["batch_wait_s"] = 0.0
             self.runner = cls(self.collector, envs, policy_fn, params, value_fn=value_fn,
                               seed=seed, **opts)
         self.items = 0
@@ -833,6 +841,10 @@ def bench_env(name, spec, configs, rounds, steps, camera, seed=0):
             entry["ratio_to_ref_median"] = statistics.median(
                 [x / a for x, a in zip(sps[c], sps[ref])]
             )
+        runner = getattr(made[c], "runner", None)
+        if getattr(runner, "batch_wait_s", None) == "auto":  # what "auto" chose, at the end
+            entry["batch_wait_ms"] = 1e3 * runner._wait()
+            entry["env_cpu_share"] = list(runner._due.share)
         if share[c]:
             entry["collector_share_median"] = statistics.median(share[c])
             entry["collector_add_share_median"] = statistics.median(add_share[c])

@@ -17,7 +17,7 @@ def test_host_env_benchmark_smoke(tmp_path):
     pytest.importorskip("gymnasium")
     pytest.importorskip("mujoco")
     out = tmp_path / "host_env.json"
-    configs = "a,a_adapter,a_collector,b,b_proc,bw_proc,c,a_null,b_null"
+    configs = "a,a_adapter,a_collector,b,b_proc,b0_proc,bw_proc,c,a_null,b_null"
     subprocess.run(
         [
             sys.executable,
@@ -47,6 +47,10 @@ def test_host_env_benchmark_smoke(tmp_path):
     # CPU per training step: the env processes of b_proc step the envs, so they use CPU.
     assert res["configs"]["b_proc"]["env_process_cpu_ms_per_training_step_median"] > 0
     assert all(e["cpu_ms_per_training_step_median"] > 0 for e in res["configs"].values())
+    # batch_wait_s="auto" (b, b_proc): Hopper's env processes compute, so it waited.
+    auto = res["configs"]["b_proc"]
+    assert sum(auto["env_cpu_share"]) / 2 >= 0.5 and auto["batch_wait_ms"] > 0
+    assert "batch_wait_ms" in res["configs"]["b"] and "batch_wait_ms" not in res["configs"]["b0_proc"]
 
 
 def test_env_scaling_probe_times_one_and_two_env_processes():

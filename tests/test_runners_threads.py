@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.util
 import os
 import pathlib
@@ -435,6 +436,84 @@ def test_a_batched_call_waits_only_for_ranks_expected_within_the_wait():
     assert not due.by(0, 12.29) and due.by(0, 12.301)  # back at 12.3
     due.back(1, 5.0)  # a result without a start (a reset): no duration
     assert due.took[1] is None
+
+
+def test_auto_wait_is_the_longest_step_where_envs_compute_and_none_where_they_wait():
+    """batch_wait_s="auto", by hand: each rank's share of a step on CPU is an exponential
+    average (each new step half the weight); where the ranks' mean is at least 0.5 the
+    wait is the longest of their step times (at most 50 ms), else 0; 0 until measured."""
+    from jaxtraj.runners.service import AUTO_WAIT_MAX_S, _Due
+
+    due = _Due(2)
+    assert due.auto_wait() == 0.0  # nothing measured
+    due.started(0, 0.0)
+    due.back(0, 0.004)  # rank 0's step took 4 ms
+    assert due.auto_wait() == 0.0  # no CPU share yet
+    due.cpu(0, 0.9)
+    assert due.auto_wait() == pytest.approx(0.004)
+    due.started(1, 0.0)
+    due.back(1, 0.006)
+    due.cpu(1, None)  # not measured: ignored
+    due.cpu(1, 0.7)
+    assert due.auto_wait() == pytest.approx(0.006)  # the longest step
+    due.cpu(0, 0.1)  # rank 0: 0.5 * (0.9 + 0.1) = 0.5; the mean 0.6 still computes
+    assert due.share[0] == pytest.approx(0.5) and due.auto_wait() == pytest.approx(0.006)
+    due.cpu(1, 0.1)  # rank 1: 0.4; the mean 0.45 mostly waits
+    assert due.auto_wait() == 0.0
+    due.cpu(0, 1.0), due.cpu(1, 1.0)
+    due.started(1, 1.0)
+    due.back(1, 1.5)  # 0.5 * (0.006 + 0.5)
+    assert due.auto_wait() == AUTO_WAIT_MAX_S
+    due.started(0, 2.0)
+    due.new_run()  # a new run: nothing in flight, what was learnt kept
+    assert due.start == [None, None] and due.auto_wait() == AUTO_WAIT_MAX_S
+
+
+_HASHED = bytes(1 << 16)
+
+
+class PacedEnv(PointEnv):
+    """A PointEnv whose every step first computes (``"spin"``: hashing, in C with the GIL
+    released, as a simulator's physics) or waits (``"sleep"``: a remote simulator, a
+    robot's control period)."""
+
+    def __init__(self, rank, how, pace_s=0.01):
+        super().__init__(rank, critic=False)
+        self.how, self.pace_s = how, pace_s
+
+    def step(self, key, actions):
+        if self.how == "sleep":
+            time.sleep(self.pace_s)
+        else:
+            end = time.perf_counter() + self.pace_s
+            while time.perf_counter() < end:
+                hashlib.sha256(_HASHED)
+        return super().step(key, actions)
+
+
+def test_auto_wait_batches_computing_envs_and_not_waiting_ones_wherever_they_step():
+    """The default batch_wait_s="auto" measures each rank's share of a step on CPU where
+    it steps (the env worker thread, a factory's thread, an env process): envs that
+    compute are waited for, envs that wait are not; the trajectories are the reference's."""
+    ref = sync_reference(1)
+    cases = [("thread", False), ("thread", True), ("process", True)]
+    for workers, factory in cases:
+        for how in ("spin", "sleep"):
+            envs = [functools.partial(PacedEnv, r, how) for r in range(RANKS)]
+            if not factory:
+                envs = [f() for f in envs]
+            with AsyncRunner(make_collector(), envs, policy_fn, PARAMS, value_fn=value_fn,
+                             seed=SEED, env_workers=workers) as runner:
+                assert runner.batch_wait_s == "auto"
+                got = {(int(tr.step_id), int(tr.env_rank)): tr for _, tr in runner.run()}
+                shares, wait = list(runner._due.share), runner._wait()
+            case, mean = (workers, factory, how, shares, wait), sum(shares) / len(shares)
+            if how == "spin":
+                assert mean >= 0.5 and wait > 0, case
+            else:
+                assert mean < 0.5 and wait == 0.0, case
+            for k in ref:
+                assert_same(got[k], ref[k])
 
 
 @pytest.mark.parametrize("cls", [AsyncRunner, DecoupledRunner])

@@ -24,6 +24,7 @@ import pickle
 import queue
 import signal
 import threading
+import time
 import traceback
 import weakref
 from collections.abc import Callable
@@ -42,7 +43,17 @@ def is_factory(env: Any) -> bool:
 
 class _Bound:
     """What both bound envs forward: the env protocol's calls, executed by ``call``
-    where the env lives."""
+    where the env lives.
+
+    Attributes:
+      cpu_share: the share of its last call's wall time the env spent on CPU: its
+        process's CPU time (every thread of it: EnvPool's own included) over the call's
+        wall time, or (:class:`ThreadBoundEnv`) its thread's; about 1 for a simulator
+        that computes, near 0 for one that waits (a clock, a robot, I/O). ``None``
+        before a call. The runners' ``batch_wait_s="auto"`` reads it.
+    """
+
+    cpu_share: float | None = None
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError
@@ -107,10 +118,13 @@ class ThreadBoundEnv(_Bound):
             if item is _STOP:
                 return
             fn, args, kwargs, reply = item
+            c0, t0 = time.thread_time(), time.perf_counter()
             try:
-                reply.put((True, fn(*args, **kwargs)))
+                value = fn(*args, **kwargs)
             except BaseException as exc:  # noqa: BLE001 (raised in the caller's thread)
-                reply.put((False, exc))
+                reply.put((False, exc, None))
+                continue
+            reply.put((True, value, _share(time.thread_time() - c0, time.perf_counter() - t0)))
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """``env.<method>(*args, **kwargs)``, executed in the env's thread."""
@@ -118,9 +132,10 @@ class ThreadBoundEnv(_Bound):
             raise RuntimeError(f"{self.name}: the env's thread has ended (closed)")
         reply: queue.SimpleQueue = queue.SimpleQueue()
         self._calls.put((getattr(self._env, method), args, kwargs, reply))
-        ok, value = reply.get()
+        ok, value, share = reply.get()
         if not ok:
             raise value
+        self.cpu_share = share
         return value
 
     def check_against(self, example: Any) -> None:
@@ -150,6 +165,11 @@ def _dumps(obj: Any) -> bytes:
     return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
 
 
+def _share(cpu_s: float, wall_s: float) -> float | None:
+    """CPU seconds over wall seconds (``None`` for a call too short to time)."""
+    return cpu_s / wall_s if wall_s > 0 else None
+
+
 def _host(tree: Any) -> Any:
     """Device arrays (``jax.Array``) in call arguments as numpy: what crosses to the
     env's process is host data, and the process need not start a JAX backend."""
@@ -171,15 +191,15 @@ def _env_process(conn: Any, payload: bytes, name: str) -> None:
     """The env's process: build it, then execute calls until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
 
-    def reply(ok: bool, value: Any) -> None:
+    def reply(ok: bool, value: Any, share: float | None = None) -> None:
         try:
-            conn.send_bytes(_dumps((ok, value)))
+            conn.send_bytes(_dumps((ok, value, share)))
         except Exception as exc:  # noqa: BLE001 (the value does not pickle)
             err = TypeError(
                 f"{name}: the env's reply ({type(value).__name__}) cannot be sent to the "
                 f"runner's process: {type(exc).__name__}: {exc}"
             )
-            conn.send_bytes(_dumps((False, err)))
+            conn.send_bytes(_dumps((False, err, None)))
 
     try:
         env = pickle.loads(payload)()
@@ -210,6 +230,7 @@ def _env_process(conn: Any, payload: bytes, name: str) -> None:
                 reply(True, None)
             conn.close()
             os._exit(0)  # the env is closed; an interpreter's teardown (JAX's) takes seconds
+        c0, t0 = time.process_time(), time.perf_counter()
         try:
             if method == "__getattr__":
                 value = getattr(env, args[0])
@@ -224,7 +245,7 @@ def _env_process(conn: Any, payload: bytes, name: str) -> None:
         except BaseException as exc:  # noqa: BLE001 (raised in the parent)
             reply(False, _portable(exc, traceback.format_exc()))
             continue
-        reply(True, value)
+        reply(True, value, _share(time.process_time() - c0, time.perf_counter() - t0))
 
 
 class _Callable:
@@ -335,9 +356,10 @@ class ProcessBoundEnv(_Bound):
             raise RuntimeError(
                 f"{self.name}: the env's process ended (exit code {self._process.exitcode})"
             ) from None
-        ok, value = pickle.loads(data)
+        ok, value, share = pickle.loads(data)
         if not ok:
             raise value
+        self.cpu_share = share
         return value
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
@@ -420,7 +442,7 @@ def _shutdown(conn: Any, process: Any, timeout_s: float = 5.0) -> BaseException 
         if process.is_alive():
             conn.send_bytes(_dumps((None, (), {})))
             while conn.poll(timeout_s):  # a step still in flight answers first
-                ok, value = pickle.loads(conn.recv_bytes())
+                ok, value, _ = pickle.loads(conn.recv_bytes())
                 if not ok:
                     return value
     except (EOFError, OSError):

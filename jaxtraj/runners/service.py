@@ -444,16 +444,38 @@ def stamp_versions(output: PolicyOutput, version: int, stamp: bool = True) -> Po
     return output
 
 
+# batch_wait_s="auto": the share of a step's wall time its env spends on CPU from which the
+# ranks' steps count as CPU-bound (a simulator computing, not waiting on a clock or I/O),
+# and the longest wait it then sets.
+AUTO_CPU_BOUND = 0.5
+AUTO_WAIT_MAX_S = 0.05
+
+
+def _average(old: float | None, new: float) -> float:
+    """An exponential average, each new value half the weight."""
+    return new if old is None else 0.5 * (old + new)
+
+
 class _Due:
     """When each env rank is expected to ask for actions next: the start of its step in
     flight plus what its steps have taken (an exponential average, each new step half
     the weight). A batched call waits (at most ``batch_wait_s``) only for the ranks
     expected within the wait: one whose step will be back later is not waited for, and
-    ranks whose steps take alike fall into step with each other, served by one call."""
+    ranks whose steps take alike fall into step with each other, served by one call.
+
+    It also keeps what share of its steps' wall time each rank's env spent on CPU
+    (:meth:`cpu`), from which ``batch_wait_s="auto"`` decides (:meth:`auto_wait`). A
+    runner keeps one across its runs: what it learnt carries on, steps in flight do not
+    (:meth:`new_run`)."""
 
     def __init__(self, n: int):
         self.start: list[float | None] = [None] * n
         self.took: list[float | None] = [None] * n
+        self.share: list[float | None] = [None] * n
+
+    def new_run(self) -> None:
+        """A run starts: no step is in flight."""
+        self.start = [None] * len(self.start)
 
     def started(self, i: int, now: float) -> None:
         self.start[i] = now
@@ -461,13 +483,31 @@ class _Due:
     def back(self, i: int, now: float) -> None:
         start, self.start[i] = self.start[i], None
         if start is not None:
-            took = now - start
-            self.took[i] = took if self.took[i] is None else 0.5 * (self.took[i] + took)
+            self.took[i] = _average(self.took[i], now - start)
+
+    def cpu(self, i: int, share: float | None) -> None:
+        """Rank ``i``'s env spent ``share`` of its last step's wall time on CPU (``None``:
+        not measured)."""
+        if share is not None:
+            self.share[i] = _average(self.share[i], share)
 
     def by(self, i: int, deadline: float) -> bool:
         """Whether rank ``i`` is expected to ask by ``deadline`` (unknown: it may)."""
         start, took = self.start[i], self.took[i]
         return start is None or took is None or start + took <= deadline
+
+    def auto_wait(self) -> float:
+        """``batch_wait_s="auto"``'s wait: where the ranks' envs are CPU-bound (on average
+        at least :data:`AUTO_CPU_BOUND` of a step's wall time on CPU), the longest of
+        their step times (at most :data:`AUTO_WAIT_MAX_S`), so that they fall into step
+        and one call serves them all: every call less is CPU the simulators get. Else 0,
+        no rank waits for another (a latency-bound env leaves CPUs idle: waiting would
+        only delay). 0 until both are measured."""
+        shares = [x for x in self.share if x is not None]
+        took = [x for x in self.took if x is not None]
+        if not shares or not took or sum(shares) < AUTO_CPU_BOUND * len(shares):
+            return 0.0
+        return min(max(took), AUTO_WAIT_MAX_S)
 
 
 class ObservationCheck:

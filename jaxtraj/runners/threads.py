@@ -155,16 +155,23 @@ class AsyncRunner:
         processes, in whole ms rounded up). It waits only for ranks expected within the
         wait (a rank's step in flight started when its actions were sent; an
         exponential average of what its steps took says when it is back): never for a
-        rank with nothing left to ask, nor for one whose step will be back later.
-        Default 0: every request already in when a call starts joins it, and no rank
-        waits for another. Where CPUs idle (a latency-bound simulator) waiting buys
-        nothing and can cost: a 1 ms step with 4 process ranks measured 3.15x the hand
-        loop without against 2.91x with 5 ms (2 ranks: about equal). Where CPUs are
-        short (CPU-bound simulators on few cores) or a call is costly (a large model), a
-        few ms lets the ranks fall into step, one call serving them all: on 2 cores,
-        gymnasium Hopper with 2 process ranks 1.01x the hand loop with 5 ms against
-        0.84x, EnvPool HalfCheetah 0.71x against 0.67x (benchmarks/host_env.py). A
-        performance knob only: the trajectories do not depend on it.
+        rank with nothing left to ask, nor for one whose step will be back later. 0:
+        every request already in when a call starts joins it, and no rank waits for
+        another.
+
+        ``"auto"`` (default) decides from what the ranks' steps measure: where their
+        envs are CPU-bound (on average at least half a step's wall time on CPU: a
+        simulator computing; :attr:`~jaxtraj.runners.bound.ProcessBoundEnv.cpu_share`),
+        it waits up to the longest step time (at most 50 ms), so the ranks fall into
+        step and one call serves them all, every call less CPU the simulators get;
+        where they mostly wait (a remote simulator, a robot's control period, EnvPool
+        stepping in threads of its own outside a rank's thread) it waits 0, as the CPUs
+        idle and waiting would only delay. Until both are measured (a run's first
+        steps), 0. On 2 cores, gymnasium Hopper with 2 process ranks ran 1.32x the
+        hand loop with a 5 ms wait against 1.15x without; a 1 ms latency-bound env
+        with 4 ranks 2.91x with 5 ms against 3.15x without
+        (``benchmarks/host_env.py``). A performance knob only: the trajectories do not
+        depend on it.
       env_workers: where factories build and step their envs: ``"thread"`` (a thread
         of the env's own, :class:`~jaxtraj.runners.bound.ThreadBoundEnv`) or
         ``"process"`` (a process of its own,
@@ -210,7 +217,7 @@ class AsyncRunner:
         jitter_s: float = 0.0,
         allow_shared_seeds: bool = False,
         max_batch: int | None = None,
-        batch_wait_s: float = 0.0,
+        batch_wait_s: float | str = "auto",
         env_workers: str = "thread",
     ):
         self.collector, self.plan = collector, collector.plan
@@ -225,8 +232,10 @@ class AsyncRunner:
             raise ValueError(f"num_steps must be >= 1, got {num_steps}")
         if max_batch is not None and max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-        if batch_wait_s < 0:
-            raise ValueError(f"batch_wait_s must be >= 0, got {batch_wait_s}")
+        if batch_wait_s != "auto" and not (
+            isinstance(batch_wait_s, (int, float)) and batch_wait_s >= 0
+        ):
+            raise ValueError(f"batch_wait_s must be 'auto' or a number >= 0, got {batch_wait_s!r}")
         self.env_workers = env_workers
         self.envs = []
         try:
@@ -251,6 +260,9 @@ class AsyncRunner:
         self.max_batch = len(self.envs) if max_batch is None else min(max_batch, len(self.envs))
         self._slots = self.max_batch
         self.batch_wait_s = batch_wait_s
+        # When each rank will ask next, and how CPU-bound its steps are (batch_wait_s="auto"):
+        # kept across runs.
+        self._due = _Due(len(self.envs))
         self._params, self._version = params, 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -340,6 +352,7 @@ class AsyncRunner:
         self._replies = [queue.SimpleQueue() for _ in self.envs]
         self._consumer = consumer = Consumer(self.collector, self.on_flush, self.output_queue)
         self._rng_steps = StepRngs(self.plan, self.seed, self.env_ranks, self.stage_id)
+        self._due.new_run()
         self.calls = 0
         per_env = n * self.plan.num_epochs * self.plan.num_chunks
         total = 2 * len(self.envs) * per_env
@@ -590,7 +603,7 @@ class AsyncRunner:
                 # Decoupled: the policy infers the next chunk from this (stale) observation
                 # while the environment executes this chunk.
                 self._put(self._requests, (i, self._key(rank, n + 1), obs, None), "requests")
-            out = env.step(key, actions)
+            out = self._step(i, env, key, actions)
             # Decoupled: an explicit boundary, the next policy saw a stale observation.
             part = env_part(self.plan, key, out, prev, out.obs if self.pipelined else None)
             self._check_obs(out.obs, key)
@@ -606,6 +619,26 @@ class AsyncRunner:
                 pending = None
         if pending is not None:  # the last chunk's terminal request: no actions asked
             self._put(self._requests, (i, None, None, pending), "requests")
+
+    def _step(self, i: int, env: Any, key: TrajectoryKey, actions: Any) -> EnvStep:
+        """Env ``i``'s step of chunk ``key`` (env worker thread), and the share of its
+        wall time the env spent on CPU (``batch_wait_s="auto"``): a bound env's own
+        figure, else this thread's CPU time over the call's."""
+        if isinstance(env, ThreadBoundEnv):
+            out = env.step(key, actions)
+            share = env.cpu_share
+        else:
+            c0, t0 = time.thread_time(), time.perf_counter()
+            out = env.step(key, actions)
+            wall = time.perf_counter() - t0
+            share = (time.thread_time() - c0) / wall if wall > 0 else None
+        self._due.cpu(i, share)  # rank i's worker is the one writer of its entry
+        return out
+
+    def _wait(self) -> float:
+        """How long a call waits for other ranks: ``batch_wait_s``, or with ``"auto"``
+        what the ranks' steps say (:meth:`~jaxtraj.runners.service._Due.auto_wait`)."""
+        return self._due.auto_wait() if self.batch_wait_s == "auto" else self.batch_wait_s
 
     def _complete(self, pending: tuple, params: Any, rand: random.Random, ctx: dict) -> None:
         """Terminal inference for an env half (the policy side's), then publish it under
@@ -626,7 +659,6 @@ class AsyncRunner:
         per_env = self._run_steps * self.plan.num_epochs * self.plan.num_chunks
         asks = [per_env] * len(self.envs)  # action requests each rank has still to make
         ready: list[tuple] = []  # (env index, key, obs): action requests to serve
-        self._due = _Due(len(self.envs))  # when each rank will ask next
 
         def take(item: tuple) -> None:
             i, key, obs, pending = item
@@ -659,7 +691,7 @@ class AsyncRunner:
         """The policy worker's loop: a round takes the requests ready (up to the slots,
         waiting at most :attr:`batch_wait_s`), serves them in one call, then publishes
         the round's halves in one hand-off."""
-        slots, wait_s = self._slots, self.batch_wait_s
+        slots = self._slots
         served = 0
         while served < count:
             take(self._get(self._requests))
@@ -667,7 +699,7 @@ class AsyncRunner:
             if not ready:
                 self._flush()
                 continue
-            deadline = time.monotonic() + wait_s
+            deadline = time.monotonic() + self._wait()
             while served < count:
                 asking = {r[0] for r in ready}
                 waiting = [i for i, n in enumerate(asks)
@@ -767,7 +799,7 @@ class AsyncRunner:
         self._ready = ready = []  # (env index, key, obs): action requests to serve
         done = [0] * n_env  # chunks executed (results received)
         wait = _Readable([env.connection for env in self.envs])  # env i's result is in
-        self._due = expect = _Due(n_env)  # when each rank will ask next
+        expect = self._due  # when each rank will ask next
         for i, env in enumerate(self.envs):
             if self._carry[i] is None:
                 key = ctx["key"] = self._key(self.env_ranks[i], 0)
@@ -805,7 +837,7 @@ class AsyncRunner:
                 # pipelined, when the step it holds actions for starts).
                 asking = {r[0] for r in ready}
                 now = time.monotonic()
-                deadline = now + self.batch_wait_s if deadline is None else deadline
+                deadline = now + self._wait() if deadline is None else deadline
                 coming = [i for i in range(n_env) if i not in asking and asked[i] < per_env
                           and (held[i] if self.pipelined else stepping[i]) is not None
                           and expect.by(i, deadline)]
@@ -832,6 +864,7 @@ class AsyncRunner:
                     out = self.envs[i].receive()
                 except Exception as exc:  # key None: its process ended with no step to run
                     raise RunnerError(names[i], key and key.as_tuple(), exc) from exc
+                expect.cpu(i, self.envs[i].cpu_share)
                 if held[i] is not None:  # the next chunk's actions: its step starts at once
                     (k, actions), held[i] = held[i], None
                     self._send_step(i, k, actions, out.obs)
