@@ -495,7 +495,7 @@ def test_auto_wait_batches_computing_envs_and_not_waiting_ones_wherever_they_ste
     """The default batch_wait_s="auto" measures each rank's share of a step on CPU where
     it steps (the env worker thread, a factory's thread, an env process): envs that
     compute are waited for, envs that wait are not; the trajectories are the reference's."""
-    ref = sync_reference(1)
+    ref = sync_reference(2)
     cases = [("thread", False), ("thread", True), ("process", True)]
     for workers, factory in cases:
         for how in ("spin", "sleep"):
@@ -506,10 +506,11 @@ def test_auto_wait_batches_computing_envs_and_not_waiting_ones_wherever_they_ste
                              seed=SEED, env_workers=workers) as runner:
                 assert runner.batch_wait_s == "auto"
                 got = {(int(tr.step_id), int(tr.env_rank)): tr for _, tr in runner.run()}
-                shares, wait = list(runner._due.share), runner._wait()
-            case, mean = (workers, factory, how, shares, wait), sum(shares) / len(shares)
-            if how == "spin":
-                assert mean >= 0.5 and wait > 0, case
+                got.update({(int(tr.step_id), int(tr.env_rank)): tr for _, tr in runner.run()})
+                shares, wait, calls = list(runner._due.share), runner._wait(), runner.calls
+            case, mean = (workers, factory, how, shares, wait, calls), sum(shares) / len(shares)
+            if how == "spin":  # the second run, measured: the ranks mostly share a call
+                assert mean >= 0.5 and wait > 0 and calls < RANKS * E * T, case
             else:
                 assert mean < 0.5 and wait == 0.0, case
             for k in ref:
@@ -531,9 +532,12 @@ def test_batching_arguments_are_checked():
     envs = [PointEnv(r) for r in range(RANKS)]
     with pytest.raises(ValueError, match="max_batch"):
         AsyncRunner(make_collector(), envs, policy_fn, PARAMS, max_batch=0)
-    with pytest.raises(ValueError, match="batch_wait_s"):
-        DecoupledRunner(make_collector(), envs, policy_fn, PARAMS, batch_wait_s=-1)
+    for bad in (-1, float("nan"), float("inf"), True, "0.005", None):
+        with pytest.raises(ValueError, match="batch_wait_s must be 'auto' or a finite"):
+            DecoupledRunner(make_collector(), envs, policy_fn, PARAMS, batch_wait_s=bad)
     assert AsyncRunner(make_collector(), envs, policy_fn, PARAMS, max_batch=8).max_batch == RANKS
+    runner = AsyncRunner(make_collector(), envs, policy_fn, PARAMS, batch_wait_s=np.float32(0.5))
+    assert runner.batch_wait_s == 0.5 and type(runner.batch_wait_s) is float
 
 
 def test_terminal_inference_runs_on_the_policy_side_env_workers_need_no_critic():

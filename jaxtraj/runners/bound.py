@@ -46,11 +46,13 @@ class _Bound:
     where the env lives.
 
     Attributes:
-      cpu_share: the share of its last call's wall time the env spent on CPU: its
-        process's CPU time (every thread of it: EnvPool's own included) over the call's
-        wall time, or (:class:`ThreadBoundEnv`) its thread's; about 1 for a simulator
-        that computes, near 0 for one that waits (a clock, a robot, I/O). ``None``
-        before a call. The runners' ``batch_wait_s="auto"`` reads it.
+      cpu_share: the share of its last call's time the env spent on CPU, in ``[0, 1]``:
+        its process's CPU time (every thread of it: EnvPool's own included) or
+        (:class:`ThreadBoundEnv`) its thread's, over the call's wall time less the time
+        the calling thread waited for a CPU (Linux's scheduler statistics, where
+        readable): about 1 for a simulator that computes, however short of CPUs the
+        machine is, near 0 for one that waits (a clock, a robot, I/O). ``None`` before
+        a call. The runners' ``batch_wait_s="auto"`` reads it.
     """
 
     cpu_share: float | None = None
@@ -113,18 +115,20 @@ class ThreadBoundEnv(_Bound):
             ready.put((False, exc))
             return
         ready.put((True, env))
+        meter = CpuMeter(time.thread_time)
         while True:
             item = self._calls.get()
             if item is _STOP:
+                meter.close()
                 return
             fn, args, kwargs, reply = item
-            c0, t0 = time.thread_time(), time.perf_counter()
+            meter.start()
             try:
                 value = fn(*args, **kwargs)
             except BaseException as exc:  # noqa: BLE001 (raised in the caller's thread)
                 reply.put((False, exc, None))
                 continue
-            reply.put((True, value, _share(time.thread_time() - c0, time.perf_counter() - t0)))
+            reply.put((True, value, meter.share()))
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """``env.<method>(*args, **kwargs)``, executed in the env's thread."""
@@ -165,9 +169,46 @@ def _dumps(obj: Any) -> bytes:
     return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def _share(cpu_s: float, wall_s: float) -> float | None:
-    """CPU seconds over wall seconds (``None`` for a call too short to time)."""
-    return cpu_s / wall_s if wall_s > 0 else None
+class CpuMeter:
+    """The share of a call's time on CPU, measured in the thread that makes the call:
+    ``cpu_clock`` (``time.thread_time``: this thread's; ``time.process_time``: every
+    thread of the process) over the call's wall time less the time this thread waited
+    for a CPU (the run delay of Linux's ``/proc/thread-self/schedstat``; elsewhere none
+    is taken out), clipped to ``[0, 1]``. Time waiting for a CPU is not time the env
+    waited on its own account: a computing env on a machine short of CPUs still reads
+    about 1. Used by one thread (the file is that thread's); ``close`` when done."""
+
+    def __init__(self, cpu_clock: Callable[[], float]):
+        self.cpu_clock = cpu_clock
+        try:
+            self._fd: int | None = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+        except OSError:
+            self._fd = None
+        self.start()
+
+    def _delay(self) -> float:
+        if self._fd is None:
+            return 0.0
+        try:
+            return int(os.pread(self._fd, 64, 0).split()[1]) * 1e-9
+        except (OSError, ValueError, IndexError):
+            return 0.0
+
+    def start(self) -> None:
+        """A call starts."""
+        self._cpu, self._wall, self._waited = self.cpu_clock(), time.perf_counter(), self._delay()
+
+    def share(self) -> float | None:
+        """The share since :meth:`start` (``None`` for a call too short to time)."""
+        ran = time.perf_counter() - self._wall - (self._delay() - self._waited)
+        if ran <= 0:
+            return None
+        return min(1.0, max(0.0, (self.cpu_clock() - self._cpu) / ran))
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 def _host(tree: Any) -> Any:
@@ -214,6 +255,7 @@ def _env_process(conn: Any, payload: bytes, name: str) -> None:
         reply(False, _portable(exc, traceback.format_exc()))
         return
     reply(True, None)
+    meter = CpuMeter(time.process_time)  # every thread of the env's process (EnvPool's)
     while True:
         try:
             method, args, kwargs = pickle.loads(conn.recv_bytes())
@@ -230,7 +272,7 @@ def _env_process(conn: Any, payload: bytes, name: str) -> None:
                 reply(True, None)
             conn.close()
             os._exit(0)  # the env is closed; an interpreter's teardown (JAX's) takes seconds
-        c0, t0 = time.process_time(), time.perf_counter()
+        meter.start()
         try:
             if method == "__getattr__":
                 value = getattr(env, args[0])
@@ -245,7 +287,7 @@ def _env_process(conn: Any, payload: bytes, name: str) -> None:
         except BaseException as exc:  # noqa: BLE001 (raised in the parent)
             reply(False, _portable(exc, traceback.format_exc()))
             continue
-        reply(True, value, _share(time.process_time() - c0, time.perf_counter() - t0))
+        reply(True, value, meter.share())
 
 
 class _Callable:

@@ -59,6 +59,8 @@ except ImportError as exc:  # pragma: no cover - exercised in a process without 
         "jaxtraj.runners.ray needs Ray, an optional dependency: pip install 'jaxtraj[ray]'"
     ) from exc
 
+import math
+import numbers
 import os
 import threading
 import time
@@ -344,8 +346,16 @@ class RayRunner:
             raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
         if max_batch is not None and max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-        if batch_wait_s < 0:
-            raise ValueError(f"batch_wait_s must be >= 0, got {batch_wait_s}")
+        if batch_wait_s == "auto":
+            raise ValueError(
+                "batch_wait_s='auto' is the threaded runners' (their envs report their CPU "
+                "share; Ray's actors do not): give RayRunner a number of seconds"
+            )
+        if (isinstance(batch_wait_s, bool) or not isinstance(batch_wait_s, numbers.Real)
+                or not math.isfinite(batch_wait_s) or batch_wait_s < 0):
+            raise ValueError(
+                f"batch_wait_s must be a finite number of seconds >= 0, got {batch_wait_s!r}"
+            )
         self.collector, self.plan = collector, collector.plan
         self.env_fn, self.policy_fn, self.policy = env_fn, policy_fn, policy
         self.value_fn = value_fn

@@ -48,6 +48,7 @@ from __future__ import annotations
 import collections
 import heapq
 import math
+import numbers
 import queue
 import random
 import select
@@ -59,7 +60,7 @@ from typing import Any
 import numpy as np
 
 from jaxtraj.collector import TrajectoryCollector
-from jaxtraj.runners.bound import ProcessBoundEnv, ThreadBoundEnv, is_factory
+from jaxtraj.runners.bound import CpuMeter, ProcessBoundEnv, ThreadBoundEnv, _Bound, is_factory
 from jaxtraj.runners.service import (  # noqa: F401  (re-exported: the public names)
     Consumer,
     Env,
@@ -159,19 +160,25 @@ class AsyncRunner:
         every request already in when a call starts joins it, and no rank waits for
         another.
 
-        ``"auto"`` (default) decides from what the ranks' steps measure: where their
-        envs are CPU-bound (on average at least half a step's wall time on CPU: a
-        simulator computing; :attr:`~jaxtraj.runners.bound.ProcessBoundEnv.cpu_share`),
-        it waits up to the longest step time (at most 50 ms), so the ranks fall into
-        step and one call serves them all, every call less CPU the simulators get;
-        where they mostly wait (a remote simulator, a robot's control period, EnvPool
-        stepping in threads of its own outside a rank's thread) it waits 0, as the CPUs
-        idle and waiting would only delay. Until both are measured (a run's first
-        steps), 0. On 2 cores, gymnasium Hopper with 2 process ranks ran 1.32x the
-        hand loop with a 5 ms wait against 1.15x without; a 1 ms latency-bound env
-        with 4 ranks 2.91x with 5 ms against 3.15x without
-        (``benchmarks/host_env.py``). A performance knob only: the trajectories do not
-        depend on it.
+        ``"auto"`` (default) decides from what the ranks' steps measure: each env's
+        share of a step on CPU (:class:`~jaxtraj.runners.bound.CpuMeter`: CPU time over
+        the time it could run, so a computing env on a machine short of CPUs still
+        reads about 1). Where the ranks' envs compute (on average at least half a step
+        on CPU: gymnasium MuJoCo in env processes, EnvPool in env processes), CPUs are
+        short, and a call waits up to the longest of the ranks' step times (each an
+        exponential average of the time from a rank's actions to its next request; at
+        most 50 ms), so the ranks fall into step and one call serves them all: every
+        call saved is CPU the simulators get. Where they mostly wait (a remote
+        simulator, a robot's control period, EnvPool stepping in threads of its own
+        outside a rank's thread) the CPUs idle and waiting would only delay: 0. Until
+        both are measured (the runner's first steps), 0. In threads, a GIL-bound env's
+        time waiting for the GIL counts as waiting, so several thread ranks of such envs
+        may read as waiting: they belong in processes (``env_workers="process"``), or
+        give a number. Measured on 2 cores (``benchmarks/host_env.py``, ratio to a hand
+        loop): gymnasium Hopper with 2 process ranks 1.24x with ``"auto"`` against 1.18x
+        with 0 and 1.29x with 5 ms; a 1 ms latency-bound env 1.80x (``"auto"`` chose 0)
+        against 1.78x and 1.75x. A performance knob only: the trajectories do not depend
+        on it.
       env_workers: where factories build and step their envs: ``"thread"`` (a thread
         of the env's own, :class:`~jaxtraj.runners.bound.ThreadBoundEnv`) or
         ``"process"`` (a process of its own,
@@ -232,10 +239,14 @@ class AsyncRunner:
             raise ValueError(f"num_steps must be >= 1, got {num_steps}")
         if max_batch is not None and max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-        if batch_wait_s != "auto" and not (
-            isinstance(batch_wait_s, (int, float)) and batch_wait_s >= 0
-        ):
-            raise ValueError(f"batch_wait_s must be 'auto' or a number >= 0, got {batch_wait_s!r}")
+        if batch_wait_s != "auto":
+            if (isinstance(batch_wait_s, bool) or not isinstance(batch_wait_s, numbers.Real)
+                    or not math.isfinite(batch_wait_s) or batch_wait_s < 0):
+                raise ValueError(
+                    f"batch_wait_s must be 'auto' or a finite number of seconds >= 0, got "
+                    f"{batch_wait_s!r}"
+                )
+            batch_wait_s = float(batch_wait_s)
         self.env_workers = env_workers
         self.envs = []
         try:
@@ -583,55 +594,59 @@ class AsyncRunner:
         name, env, rank = f"env_worker_{self.env_ranks[i]}", self.envs[i], self.env_ranks[i]
         rand = random.Random(self.seed * 7919 + 2 * i + 1)  # its parts' transport delays
         count = self._run_steps * self.plan.num_epochs * self.plan.num_chunks
-        key = ctx["key"] = self._key(rank, 0)
-        if self._carry[i] is None:
-            obs, prev = env.reset(), None
-            self._check_obs(obs, key)
-            self._carry[i] = (obs, prev)
-        obs, prev = self._carry[i]
-        pending = None  # (env worker, EnvStep, EnvPart) of the last executed chunk
-        if self.pipelined:
-            self._put(self._requests, (i, key, obs, None), "requests")
-        for n in range(count):
-            key = ctx["key"] = self._key(rank, n)
-            if not self.pipelined:
-                # The previous chunk's env half rides with this chunk's request.
-                self._put(self._requests, (i, key, obs, pending), "requests")
-                pending = None
-            actions = self._get(self._replies[i])
-            if self.pipelined and n + 1 < count:
-                # Decoupled: the policy infers the next chunk from this (stale) observation
-                # while the environment executes this chunk.
-                self._put(self._requests, (i, self._key(rank, n + 1), obs, None), "requests")
-            out = self._step(i, env, key, actions)
-            # Decoupled: an explicit boundary, the next policy saw a stale observation.
-            part = env_part(self.plan, key, out, prev, out.obs if self.pipelined else None)
-            self._check_obs(out.obs, key)
-            self._check(part, key)
-            obs, prev = out.obs, out.transition
-            self._carry[i] = (obs, prev)
-            if self.value_fn is None:  # no terminal inference to run: publish it now
-                self._publish(name, part, rand)
-                continue
-            pending = (name, out, part)
+        meter = CpuMeter(time.thread_time)  # an env stepped here: its share on CPU
+        try:
+            key = ctx["key"] = self._key(rank, 0)
+            if self._carry[i] is None:
+                obs, prev = env.reset(), None
+                self._check_obs(obs, key)
+                self._carry[i] = (obs, prev)
+            obs, prev = self._carry[i]
+            pending = None  # (env worker, EnvStep, EnvPart) of the last executed chunk
             if self.pipelined:
+                self._put(self._requests, (i, key, obs, None), "requests")
+            for n in range(count):
+                key = ctx["key"] = self._key(rank, n)
+                if not self.pipelined:
+                    # The previous chunk's env half rides with this chunk's request.
+                    self._put(self._requests, (i, key, obs, pending), "requests")
+                    pending = None
+                actions = self._get(self._replies[i])
+                if self.pipelined and n + 1 < count:
+                    # Decoupled: the policy infers the next chunk from this (stale) observation
+                    # while the environment executes this chunk.
+                    self._put(self._requests, (i, self._key(rank, n + 1), obs, None), "requests")
+                out = self._step(i, env, key, actions, meter)
+                # Decoupled: an explicit boundary, the next policy saw a stale observation.
+                part = env_part(self.plan, key, out, prev, out.obs if self.pipelined else None)
+                self._check_obs(out.obs, key)
+                self._check(part, key)
+                obs, prev = out.obs, out.transition
+                self._carry[i] = (obs, prev)
+                if self.value_fn is None:  # no terminal inference to run: publish it now
+                    self._publish(name, part, rand)
+                    continue
+                pending = (name, out, part)
+                if self.pipelined:
+                    self._put(self._requests, (i, None, None, pending), "requests")
+                    pending = None
+            if pending is not None:  # the last chunk's terminal request: no actions asked
                 self._put(self._requests, (i, None, None, pending), "requests")
-                pending = None
-        if pending is not None:  # the last chunk's terminal request: no actions asked
-            self._put(self._requests, (i, None, None, pending), "requests")
+        finally:
+            meter.close()
 
-    def _step(self, i: int, env: Any, key: TrajectoryKey, actions: Any) -> EnvStep:
+    def _step(self, i: int, env: Any, key: TrajectoryKey, actions: Any, meter: CpuMeter
+              ) -> EnvStep:
         """Env ``i``'s step of chunk ``key`` (env worker thread), and the share of its
-        wall time the env spent on CPU (``batch_wait_s="auto"``): a bound env's own
-        figure, else this thread's CPU time over the call's."""
-        if isinstance(env, ThreadBoundEnv):
+        time the env spent on CPU (``batch_wait_s="auto"``): a bound env's own figure
+        (its thread's or process's), else this thread's (``meter``)."""
+        if isinstance(env, _Bound):
             out = env.step(key, actions)
             share = env.cpu_share
         else:
-            c0, t0 = time.thread_time(), time.perf_counter()
+            meter.start()
             out = env.step(key, actions)
-            wall = time.perf_counter() - t0
-            share = (time.thread_time() - c0) / wall if wall > 0 else None
+            share = meter.share()
         self._due.cpu(i, share)  # rank i's worker is the one writer of its entry
         return out
 
