@@ -175,9 +175,9 @@ class AsyncRunner:
         time waiting for the GIL counts as waiting, so several thread ranks of such envs
         may read as waiting: they belong in processes (``env_workers="process"``), or
         give a number. Measured on 2 cores (``benchmarks/host_env.py``, ratio to a hand
-        loop): gymnasium Hopper with 2 process ranks 1.24x with ``"auto"`` against 1.18x
-        with 0 and 1.29x with 5 ms; a 1 ms latency-bound env 1.80x (``"auto"`` chose 0)
-        against 1.78x and 1.75x. A performance knob only: the trajectories do not depend
+        loop): gymnasium Hopper with 2 process ranks 1.33x with ``"auto"`` against 1.13x
+        with 0 and 1.32x with 5 ms; a 1 ms latency-bound env 1.79x (``"auto"`` chose 0)
+        against 1.79x and 1.78x. A performance knob only: the trajectories do not depend
         on it.
       env_workers: where factories build and step their envs: ``"thread"`` (a thread
         of the env's own, :class:`~jaxtraj.runners.bound.ThreadBoundEnv`) or
