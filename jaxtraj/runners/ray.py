@@ -59,8 +59,6 @@ except ImportError as exc:  # pragma: no cover - exercised in a process without 
         "jaxtraj.runners.ray needs Ray, an optional dependency: pip install 'jaxtraj[ray]'"
     ) from exc
 
-import math
-import numbers
 import os
 import threading
 import time
@@ -86,6 +84,7 @@ from jaxtraj.runners.service import (
     StepRngs,
     ValueFn,
     _Due,
+    checked_batch_wait,
     chunk_keys,
     complete_env_part,
     env_part,
@@ -346,16 +345,7 @@ class RayRunner:
             raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
         if max_batch is not None and max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-        if batch_wait_s == "auto":
-            raise ValueError(
-                "batch_wait_s='auto' is the threaded runners' (their envs report their CPU "
-                "share; Ray's actors do not): give RayRunner a number of seconds"
-            )
-        if (isinstance(batch_wait_s, bool) or not isinstance(batch_wait_s, numbers.Real)
-                or not math.isfinite(batch_wait_s) or batch_wait_s < 0):
-            raise ValueError(
-                f"batch_wait_s must be a finite number of seconds >= 0, got {batch_wait_s!r}"
-            )
+        batch_wait_s = checked_batch_wait(batch_wait_s, auto=False)
         self.collector, self.plan = collector, collector.plan
         self.env_fn, self.policy_fn, self.policy = env_fn, policy_fn, policy
         self.value_fn = value_fn

@@ -25,6 +25,8 @@ not depend on the transport lives here:
 from __future__ import annotations
 
 import functools
+import math
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -444,11 +446,32 @@ def stamp_versions(output: PolicyOutput, version: int, stamp: bool = True) -> Po
     return output
 
 
-# batch_wait_s="auto": the share of a step's wall time its env spends on CPU from which the
-# ranks' steps count as CPU-bound (a simulator computing, not waiting on a clock or I/O),
-# and the longest wait it then sets.
+# batch_wait_s="auto": the share of a step its env spends on CPU (of the time it could run)
+# from which the ranks' steps count as CPU-bound (a simulator computing, not waiting on a
+# clock or I/O), and the longest wait it then sets.
 AUTO_CPU_BOUND = 0.5
 AUTO_WAIT_MAX_S = 0.05
+
+
+def checked_batch_wait(value: Any, auto: bool) -> float | str:
+    """A runner's ``batch_wait_s``: a finite number of seconds >= 0, as a float, or (where
+    the runner offers it, ``auto``) ``"auto"``.
+
+    Raises:
+      ValueError: anything else (a bool, NaN, a string), naming the value.
+    """
+    if isinstance(value, str) and value == "auto":
+        if auto:
+            return value
+        raise ValueError(
+            "batch_wait_s='auto' is the threaded runners' (their envs report their CPU "
+            "share; Ray's actors do not): give a number of seconds"
+        )
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+            or not math.isfinite(value) or value < 0):
+        choices = "'auto' or a finite" if auto else "a finite"
+        raise ValueError(f"batch_wait_s must be {choices} number of seconds >= 0, got {value!r}")
+    return float(value)
 
 
 def _average(old: float | None, new: float) -> float:
@@ -463,7 +486,7 @@ class _Due:
     expected within the wait: one whose step will be back later is not waited for, and
     ranks whose steps take alike fall into step with each other, served by one call.
 
-    It also keeps what share of its steps' wall time each rank's env spent on CPU
+    It also keeps what share of its steps each rank's env spent on CPU
     (:meth:`cpu`), from which ``batch_wait_s="auto"`` decides (:meth:`auto_wait`). A
     runner keeps one across its runs: what it learnt carries on, steps in flight do not
     (:meth:`new_run`)."""
@@ -486,8 +509,8 @@ class _Due:
             self.took[i] = _average(self.took[i], now - start)
 
     def cpu(self, i: int, share: float | None) -> None:
-        """Rank ``i``'s env spent ``share`` of its last step's wall time on CPU (``None``:
-        not measured)."""
+        """Rank ``i``'s env spent ``share`` of its last step on CPU (of the time it could
+        run; ``None``: not measured)."""
         if share is not None:
             self.share[i] = _average(self.share[i], share)
 
@@ -498,7 +521,7 @@ class _Due:
 
     def auto_wait(self) -> float:
         """``batch_wait_s="auto"``'s wait: where the ranks' envs are CPU-bound (on average
-        at least :data:`AUTO_CPU_BOUND` of a step's wall time on CPU), the longest of
+        at least :data:`AUTO_CPU_BOUND` of a step on CPU), the longest of
         their step times (at most :data:`AUTO_WAIT_MAX_S`), so that they fall into step
         and one call serves them all: every call less is CPU the simulators get. Else 0,
         no rank waits for another (a latency-bound env leaves CPUs idle: waiting would

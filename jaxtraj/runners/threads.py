@@ -48,7 +48,6 @@ from __future__ import annotations
 import collections
 import heapq
 import math
-import numbers
 import queue
 import random
 import select
@@ -73,6 +72,7 @@ from jaxtraj.runners.service import (  # noqa: F401  (re-exported: the public na
     _Due,
     check_env,
     check_seeds,
+    checked_batch_wait,
     chunk_keys,
     complete_env_part,
     env_part,
@@ -239,14 +239,7 @@ class AsyncRunner:
             raise ValueError(f"num_steps must be >= 1, got {num_steps}")
         if max_batch is not None and max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-        if batch_wait_s != "auto":
-            if (isinstance(batch_wait_s, bool) or not isinstance(batch_wait_s, numbers.Real)
-                    or not math.isfinite(batch_wait_s) or batch_wait_s < 0):
-                raise ValueError(
-                    f"batch_wait_s must be 'auto' or a finite number of seconds >= 0, got "
-                    f"{batch_wait_s!r}"
-                )
-            batch_wait_s = float(batch_wait_s)
+        batch_wait_s = checked_batch_wait(batch_wait_s, auto=True)
         self.env_workers = env_workers
         self.envs = []
         try:
@@ -591,56 +584,62 @@ class AsyncRunner:
         the env half (with what terminal inference needs) to the policy worker, which
         completes and publishes it, as in the seed; without a ``value_fn`` there is
         nothing to complete and the env worker publishes it."""
+        # An env stepped in this thread is measured here (its share on CPU); a bound env
+        # measures itself where it runs.
+        meter = None if isinstance(self.envs[i], _Bound) else CpuMeter(time.thread_time)
+        try:
+            self._env_steps(i, ctx, meter)
+        finally:
+            if meter is not None:
+                meter.close()
+
+    def _env_steps(self, i: int, ctx: dict, meter: CpuMeter | None) -> None:
         name, env, rank = f"env_worker_{self.env_ranks[i]}", self.envs[i], self.env_ranks[i]
         rand = random.Random(self.seed * 7919 + 2 * i + 1)  # its parts' transport delays
         count = self._run_steps * self.plan.num_epochs * self.plan.num_chunks
-        meter = CpuMeter(time.thread_time)  # an env stepped here: its share on CPU
-        try:
-            key = ctx["key"] = self._key(rank, 0)
-            if self._carry[i] is None:
-                obs, prev = env.reset(), None
-                self._check_obs(obs, key)
-                self._carry[i] = (obs, prev)
-            obs, prev = self._carry[i]
-            pending = None  # (env worker, EnvStep, EnvPart) of the last executed chunk
+        key = ctx["key"] = self._key(rank, 0)
+        if self._carry[i] is None:
+            obs, prev = env.reset(), None
+            self._check_obs(obs, key)
+            self._carry[i] = (obs, prev)
+        obs, prev = self._carry[i]
+        pending = None  # (env worker, EnvStep, EnvPart) of the last executed chunk
+        if self.pipelined:
+            self._put(self._requests, (i, key, obs, None), "requests")
+        for n in range(count):
+            key = ctx["key"] = self._key(rank, n)
+            if not self.pipelined:
+                # The previous chunk's env half rides with this chunk's request.
+                self._put(self._requests, (i, key, obs, pending), "requests")
+                pending = None
+            actions = self._get(self._replies[i])
+            if self.pipelined and n + 1 < count:
+                # Decoupled: the policy infers the next chunk from this (stale) observation
+                # while the environment executes this chunk.
+                self._put(self._requests, (i, self._key(rank, n + 1), obs, None), "requests")
+            out = self._step(i, env, key, actions, meter)
+            # Decoupled: an explicit boundary, the next policy saw a stale observation.
+            part = env_part(self.plan, key, out, prev, out.obs if self.pipelined else None)
+            self._check_obs(out.obs, key)
+            self._check(part, key)
+            obs, prev = out.obs, out.transition
+            self._carry[i] = (obs, prev)
+            if self.value_fn is None:  # no terminal inference to run: publish it now
+                self._publish(name, part, rand)
+                continue
+            pending = (name, out, part)
             if self.pipelined:
-                self._put(self._requests, (i, key, obs, None), "requests")
-            for n in range(count):
-                key = ctx["key"] = self._key(rank, n)
-                if not self.pipelined:
-                    # The previous chunk's env half rides with this chunk's request.
-                    self._put(self._requests, (i, key, obs, pending), "requests")
-                    pending = None
-                actions = self._get(self._replies[i])
-                if self.pipelined and n + 1 < count:
-                    # Decoupled: the policy infers the next chunk from this (stale) observation
-                    # while the environment executes this chunk.
-                    self._put(self._requests, (i, self._key(rank, n + 1), obs, None), "requests")
-                out = self._step(i, env, key, actions, meter)
-                # Decoupled: an explicit boundary, the next policy saw a stale observation.
-                part = env_part(self.plan, key, out, prev, out.obs if self.pipelined else None)
-                self._check_obs(out.obs, key)
-                self._check(part, key)
-                obs, prev = out.obs, out.transition
-                self._carry[i] = (obs, prev)
-                if self.value_fn is None:  # no terminal inference to run: publish it now
-                    self._publish(name, part, rand)
-                    continue
-                pending = (name, out, part)
-                if self.pipelined:
-                    self._put(self._requests, (i, None, None, pending), "requests")
-                    pending = None
-            if pending is not None:  # the last chunk's terminal request: no actions asked
                 self._put(self._requests, (i, None, None, pending), "requests")
-        finally:
-            meter.close()
+                pending = None
+        if pending is not None:  # the last chunk's terminal request: no actions asked
+            self._put(self._requests, (i, None, None, pending), "requests")
 
-    def _step(self, i: int, env: Any, key: TrajectoryKey, actions: Any, meter: CpuMeter
-              ) -> EnvStep:
+    def _step(self, i: int, env: Any, key: TrajectoryKey, actions: Any,
+              meter: CpuMeter | None) -> EnvStep:
         """Env ``i``'s step of chunk ``key`` (env worker thread), and the share of its
         time the env spent on CPU (``batch_wait_s="auto"``): a bound env's own figure
-        (its thread's or process's), else this thread's (``meter``)."""
-        if isinstance(env, _Bound):
+        (its thread's or process's, ``meter`` None), else this thread's (``meter``)."""
+        if meter is None:
             out = env.step(key, actions)
             share = env.cpu_share
         else:
