@@ -44,11 +44,14 @@ episode), ``K = 4`` actions per chunk, ``T = 16`` chunks per training step, ``E 
 - ``d``: :class:`~jaxtraj.runners.ray.RayRunner`, two actors (each builds its adapter),
   policy and ``value_fn`` in the learner, one inference for the ranks whose observation
   is in; ``ray.init(num_cpus=2, ...)``;
+- ``d_direct``: ``d`` with ``transport="direct"``: each actor connects back to the
+  learner once and the chunks go both ways on that connection (Ray places, restarts and
+  kills the actors), instead of a Ray actor call per chunk;
 - ``d_actor``: the same with the policy in the actors (``policy="actor"``, its default
   ``chunks_per_call``: one call of a training step's T chunks per actor);
-- ``d4``, ``d4_actor``: ``d`` and ``d_actor`` with four actors of B/4 (``sleep1ms``
-  only; a quarter CPU each, so that both sets of actors, alive across the rounds, fit
-  in ``ray.init(num_cpus=2)``);
+- ``d4``, ``d4_direct``, ``d4_actor``: ``d``, ``d_direct`` and ``d_actor`` with four actors of B/4 (``sleep1ms``
+  only; an eighth of a CPU each, so that the three sets of actors, alive across the
+  rounds, fit in ``ray.init(num_cpus=2)``);
 - ``a_1core``, ``b_1core``: ``a`` and ``b`` with every thread of this process pinned to
   one CPU (``os.sched_setaffinity``): what overlapping two ranks' env work with inference
   buys with a second core (not ``--quick``).
@@ -67,9 +70,9 @@ Targets (issue 26), each printed as met or missed with the measured median ratio
 machine, for AsyncRunner with thread workers and with process workers alike: ``b`` /
 ``b_proc`` (and ``bw_proc``) at least 1.0x ``a`` on ``hopper`` and ``halfcheetah``; on
 ``sleep1ms`` ``b`` / ``b_proc`` at least 1.8x ``a``, ``b4`` / ``b4_proc`` at least 3.4x
-and ``d4`` / ``d4_actor`` at least 3x; ``d`` and ``d_actor`` (Ray with several chunks
-in flight per rank) at least 0.9x ``b`` and ``b_proc`` on ``hopper`` (the ratio per round
-of the two, measured side by side).
+and ``d4`` / ``d4_direct`` / ``d4_actor`` at least 3x; ``d``, ``d_direct`` and ``d_actor``
+(Ray with several chunks in flight per rank) at least 0.9x ``b`` and ``b_proc`` on
+``hopper`` (the ratio per round of the two, measured side by side).
 
 What the machine allows (``env_scaling``, not ``--quick``): each env's raw vector env (no
 adapter, no policy) stepping a training step's ``T * K`` vector steps with random
@@ -132,14 +135,16 @@ ENVS = {
 }
 CONFIGS = [
     "a", "a_adapter", "a_collector", "b", "b_proc", "b0_proc", "bw_proc", "b4", "b4_proc", "c",
-    "c_proc", "d",
-    "d_actor", "d4", "d4_actor", "a_1core", "b_1core", "a_null", "b_null",
+    "c_proc", "d", "d_direct",
+    "d_actor", "d4", "d4_direct", "d4_actor", "a_1core", "b_1core", "a_null", "b_null",
 ]
 # configurations measured on some envs only
-ONLY = {"b4": {"sleep1ms"}, "b4_proc": {"sleep1ms"}, "d4": {"sleep1ms"}, "d4_actor": {"sleep1ms"}}
+ONLY = {"b4": {"sleep1ms"}, "b4_proc": {"sleep1ms"}, "d4": {"sleep1ms"}, "d4_direct": {"sleep1ms"},
+        "d4_actor": {"sleep1ms"}}
 # On the latency-bound env: what is measured is overlap (the rest is the CPU-bound envs').
-SLEEP_CONFIGS = {"a", "b", "b_proc", "b0_proc", "bw_proc", "b4", "b4_proc", "d", "d4", "d4_actor"}
-RANKS = {"b4": 4, "b4_proc": 4, "d4": 4, "d4_actor": 4}
+SLEEP_CONFIGS = {"a", "b", "b_proc", "b0_proc", "bw_proc", "b4", "b4_proc", "d", "d_direct", "d4",
+                 "d4_direct", "d4_actor"}
+RANKS = {"b4": 4, "b4_proc": 4, "d4": 4, "d4_direct": 4, "d4_actor": 4}
 # (env, configuration, reference configuration, the least ratio): issue 26's targets, for
 # AsyncRunner with thread workers (b, b4) and process workers (b_proc, b4_proc) alike.
 TARGETS = [
@@ -155,9 +160,12 @@ TARGETS = [
     ("sleep1ms", "b4_proc", "a", 3.4),
     ("hopper", "d", "b", 0.9),
     ("hopper", "d", "b_proc", 0.9),
+    ("hopper", "d_direct", "b", 0.9),
+    ("hopper", "d_direct", "b_proc", 0.9),
     ("hopper", "d_actor", "b", 0.9),
     ("hopper", "d_actor", "b_proc", 0.9),
     ("sleep1ms", "d4", "a", 3.0),
+    ("sleep1ms", "d4_direct", "a", 3.0),
     ("sleep1ms", "d4_actor", "a", 3.0),
 ]
 REF = {"b_1core": "a_1core", "b_null": "a_null"}  # a second ratio, to a like-for-like (a)
@@ -174,8 +182,10 @@ LABELS = {
     "c": "(c) DecoupledRunner, 2 ranks",
     "c_proc": "(c) DecoupledRunner, 2 ranks, env processes",
     "d": "(d) RayRunner, 2 actors",
+    "d_direct": "(d) RayRunner, 2 actors, direct transport",
     "d_actor": "(d) RayRunner, 2 actors, policy in the actors",
     "d4": "(d4) RayRunner, 4 actors",
+    "d4_direct": "(d4) RayRunner, 4 actors, direct transport",
     "d4_actor": "(d4) RayRunner, 4 actors, policy in the actors",
     "a_1core": "(a) on 1 core",
     "b_1core": "(b) on 1 core",
@@ -637,8 +647,11 @@ class Runner:
             opts = {}
             if which.endswith("_actor"):  # several chunks in flight per rank
                 opts = dict(policy="actor")  # one call of T chunks per rank and step
-            if ranks > 2:  # ray.init(num_cpus=2): d4's and d4_actor's actors share them
-                opts["actor_options"] = {"num_cpus": 1 / ranks}  # (alive side by side)
+            if which.endswith("_direct"):  # chunks on a connection of each actor's own
+                opts = dict(transport="direct")
+            if ranks > 2:  # ray.init(num_cpus=2): d4's, d4_direct's and d4_actor's actors
+                opts["actor_options"] = {"num_cpus": 1 / (2 * ranks)}  # share them (alive
+                # side by side)
             self.runner = RayRunner(
                 self.collector, factory, policy_fn, params, value_fn=value_fn, seed=seed, **opts
             )

@@ -5,15 +5,16 @@ gymnasium ``Reacher-v5`` environments (state observations, no rendering) on the 
 CPU, through :class:`jaxtraj.envs.GymnasiumEnv` (no adapter to write). The learner
 process (this script) runs a small Gaussian MLP policy that emits an action chunk of
 ``K`` actions per call, Sebulba-style: for every rank it infers a chunk, sends the
-actions to the rank's actor and receives the env half back through Ray's object store;
-the collector joins the halves and flushes one ``Trajectory`` per rank and training
-step. The policy is trained with a few clipped policy-gradient updates per step on
+actions to the rank's actor and receives the env half back (``--transport direct``,
+the default here: on a connection each actor opens to the learner; ``ray``: a Ray call
+per chunk, through the object store); the collector joins the halves and flushes one
+``Trajectory`` per rank and training step. The policy is trained with a few clipped policy-gradient updates per step on
 critic-free discounted returns (``TrajectoryPlan(advantage="returns")``), and every
 update is published with ``runner.update_policy`` (the version travels in
 ``Trajectory.versions``).
 
     pip install -e '.[ray]'            # ray, gymnasium[mujoco], mujoco<4
-    python examples/ray_mujoco.py [--actors 2] [--envs 16] [--iterations 100]
+    python examples/ray_mujoco.py [--actors 2] [--envs 16] [--iterations 100] [--transport ray]
 
 On a cluster, start Ray on every machine (``ray start --head`` on one, ``ray start
 --address=HEAD:6379`` on the others) and run the same script on the learner node with
@@ -137,6 +138,13 @@ def main():
         default={},
         help="custom resources each env actor asks, e.g. '{\"sim\": 1}' (CPU nodes only)",
     )
+    parser.add_argument(
+        "--transport",
+        choices=("ray", "direct"),
+        default="direct",
+        help="how chunks travel: a Ray call each, or each actor's own connection to the "
+        "learner (faster; the actors' nodes must reach the learner's address)",
+    )
     args = parser.parse_args()
 
     address = args.address or os.environ.get("RAY_ADDRESS")
@@ -173,6 +181,7 @@ def main():
         params,
         num_steps=1,
         actor_options={"num_cpus": args.actor_cpus, "resources": args.actor_resources},
+        transport=args.transport,
     )
     first = last = None
     with runner:

@@ -212,11 +212,11 @@ def ray_runner(collector, env_fn=PointEnv, **kw):
 
 @pytest.mark.parametrize(
     "options",
-    [{}, {"policy": "actor", "chunks_per_call": 2, "max_in_flight": 2}],
-    ids=["policy_in_learner", "policy_in_actors_batched"],
+    [{}, {"transport": "direct"}, {"policy": "actor", "chunks_per_call": 2, "max_in_flight": 2}],
+    ids=["policy_in_learner", "policy_in_learner_direct", "policy_in_actors_batched"],
 )
 def test_ray_runner_equals_threaded_runner(ray_instance, reference, reference_per_rank, options):
-    ref = reference_per_rank if options else reference
+    ref = reference_per_rank if options.get("policy") == "actor" else reference
     with ray_runner(make_collector(), **options) as runner:
         got = by_source(runner.run())
     assert sorted(got) == sorted(ref)
@@ -224,16 +224,17 @@ def test_ray_runner_equals_threaded_runner(ray_instance, reference, reference_pe
         assert_same(got[k], ref[k])
 
 
+@pytest.mark.parametrize("transport", ["ray", "direct"])
 def test_learner_inference_is_batched_and_bit_identical_whatever_the_batching(
-    ray_instance, reference
+    ray_instance, reference, transport
 ):
     """One policy call for every rank whose observation is in: always (a long wait),
     rarely (no wait, random simulator delays), across run(num_steps=1) calls: the
-    threaded runner's trajectories every time."""
+    threaded runner's trajectories every time, whichever the transport."""
     chunks = STEPS * E * T
     slow = functools.partial(PointEnv, delay_s=0.01)
     for env_fn, wait, calls in ((PointEnv, 5.0, chunks), (slow, 0.0, None)):
-        with ray_runner(make_collector(), env_fn, batch_wait_s=wait) as runner:
+        with ray_runner(make_collector(), env_fn, batch_wait_s=wait, transport=transport) as runner:
             got = by_source(runner.run())
             if calls is None:
                 assert runner.calls > chunks  # some calls served one rank
@@ -242,7 +243,8 @@ def test_learner_inference_is_batched_and_bit_identical_whatever_the_batching(
         for k in reference:
             assert_same(got[k], reference[k])
     got = {}
-    with ray_runner(make_collector(), slow, num_steps=1, batch_wait_s=0.0) as runner:
+    with ray_runner(make_collector(), slow, num_steps=1, batch_wait_s=0.0,
+                    transport=transport) as runner:
         for _ in range(STEPS):
             got.update(by_source(runner.run()))
     for k in reference:
@@ -250,17 +252,23 @@ def test_learner_inference_is_batched_and_bit_identical_whatever_the_batching(
 
 
 @pytest.mark.parametrize(
-    "policy,snapshots", [("learner", True), ("actor", False)], ids=["snapshot", "replay"]
+    "policy,snapshots,transport",
+    [("learner", True, "ray"), ("learner", False, "direct"), ("actor", False, "ray")],
+    ids=["snapshot", "replay_direct", "replay"],
 )
 def test_killed_worker_is_restarted_and_the_step_is_bit_identical(
-    ray_instance, reference, reference_per_rank, tmp_path, policy, snapshots
+    ray_instance, reference, reference_per_rank, tmp_path, policy, snapshots, transport
 ):
+    """A worker's process dies mid-step: Ray restarts it, the runner restores it (its
+    snapshot, or a reset and a replay) and it redoes its chunk, over a new connection
+    with transport="direct"."""
     reference = reference if policy == "learner" else reference_per_rank
     die_at = (1, 0, 1, 0, 1)  # step 1, epoch 0, rank 1, chunk 1: mid-step
     marker = str(tmp_path / "died")
     env_fn = functools.partial(_env_dying_once, die_at=die_at, marker=marker, snapshots=snapshots)
     collector = make_collector(resend="accept_identical")
-    with ray_runner(collector, env_fn, policy=policy) as runner:
+    extra = {"transport": transport} if policy == "learner" else {}
+    with ray_runner(collector, env_fn, policy=policy, **extra) as runner:
         got = by_source(runner.run())
         assert runner.restarts == 1
     assert os.path.exists(marker)  # it did die
@@ -280,13 +288,14 @@ def _env_hanging_once(rank, hang_at, marker):
     return PointEnv(rank, hang_at=hang_at if rank == hang_at[2] else None, marker=marker)
 
 
+@pytest.mark.parametrize("transport", ["ray", "direct"])
 def test_hung_worker_is_killed_restarted_and_the_step_is_bit_identical(
-    ray_instance, reference, tmp_path
+    ray_instance, reference, tmp_path, transport
 ):
     hang = (0, 1, 0, 0, 2)
     marker = str(tmp_path / "hung")
     env_fn = functools.partial(_env_hanging_once, hang_at=hang, marker=marker)
-    with ray_runner(make_collector(), env_fn, stall_timeout_s=2.0) as runner:
+    with ray_runner(make_collector(), env_fn, stall_timeout_s=2.0, transport=transport) as runner:
         got = by_source(runner.run())
         assert runner.restarts == 1
     assert os.path.exists(marker)
@@ -294,20 +303,24 @@ def test_hung_worker_is_killed_restarted_and_the_step_is_bit_identical(
         assert_same(got[k], reference[k])
 
 
-def test_persistent_failure_names_worker_and_key_and_keeps_the_data(ray_instance, reference):
+@pytest.mark.parametrize("transport", ["ray", "direct"])
+def test_persistent_failure_names_worker_and_key_and_keeps_the_data(
+    ray_instance, reference, transport
+):
     fail = (1, 0, 1, 0, 1)
     env_fn = functools.partial(_env_dying_once, die_at=fail, marker=None, snapshots=True)
     collector = make_collector()
     delivered = []
     runner = ray_runner(
-        collector, env_fn, max_restarts=1, on_flush=lambda q, tr: delivered.append(tr)
+        collector, env_fn, max_restarts=1, on_flush=lambda q, tr: delivered.append(tr),
+        transport=transport,
     )
     with pytest.raises(RunnerError) as info:
         runner.run()
     err = info.value
     assert err.worker == "env_worker_1" and err.key == fail
     assert "env_worker_1" in str(err) and str(fail) in str(err)
-    assert isinstance(err.cause, ray.exceptions.RayActorError)
+    assert isinstance(err.cause, ray.exceptions.RayActorError)  # Ray's word, either transport
     assert runner.restarts == 1 and all(w.actor is None for w in runner._ranks)  # shut down
     # Step 0 of both ranks was delivered intact; step 1 of rank 1 is kept up to the failure.
     got = {(int(tr.step_id), int(tr.env_rank)): tr for tr in delivered}
@@ -319,14 +332,67 @@ def test_persistent_failure_names_worker_and_key_and_keeps_the_data(ray_instance
     assert (fail, "env") in missing and (fail, "policy") not in missing
 
 
-def test_environment_exception_names_worker_and_key(ray_instance):
+@pytest.mark.parametrize("transport", ["ray", "direct"])
+def test_environment_exception_names_worker_and_key(ray_instance, transport):
     fail = (0, 1, 0, 0, 2)
     env_fn = functools.partial(_env_raising, raise_at=fail)
-    runner = ray_runner(make_collector(), env_fn, num_steps=1)
+    runner = ray_runner(make_collector(), env_fn, num_steps=1, transport=transport)
     with pytest.raises(RunnerError) as info:
         runner.run()
     assert info.value.worker == "env_worker_0" and info.value.key == fail
     assert "simulator crashed" in str(info.value) and runner.restarts == 0
+    assert all(w.actor is None and w.conn is None for w in runner._ranks)  # shut down
+
+
+def test_transport_arguments_are_checked():
+    from jaxtraj.runners.ray import RayRunner
+
+    with pytest.raises(ValueError, match="transport must be 'ray' or 'direct', got 'grpc'"):
+        RayRunner(make_collector(), PointEnv, policy_fn, PARAMS, transport="grpc")
+    with pytest.raises(ValueError, match="transport='direct' carries the chunks of policy='learner'"):
+        RayRunner(make_collector(), PointEnv, policy_fn, PARAMS, policy="actor", transport="direct")
+
+
+def test_direct_transport_names_the_rank_whose_actor_cannot_connect(ray_instance, monkeypatch):
+    """An actor that cannot reach the learner (a port nobody listens on here) stops the
+    run with a RunnerError naming its rank, the transport and the way out."""
+    import socket
+
+    import jaxtraj.runners.ray as ray_module
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        nowhere = sock.getsockname()  # closed at the end of the block: refused
+
+    def connect(self, w):
+        w.loop = w.actor.serve.remote(nowhere, self._authkey, w.index)
+        w.pending.append(("connect", w.loop, None))
+
+    monkeypatch.setattr(ray_module.RayRunner, "_connect", connect)
+    runner = ray_runner(make_collector(), num_steps=1, transport="direct")
+    with pytest.raises(RunnerError) as info:
+        runner.run()
+    assert info.value.worker in ("env_worker_0", "env_worker_1")
+    message = str(info.value)
+    assert "did not connect to the learner" in message and "transport='ray'" in message
+    assert "ConnectionRefusedError" in message
+    assert all(w.actor is None for w in runner._ranks) and runner._listener is None
+
+
+def test_direct_transport_refuses_a_connection_without_the_key(ray_instance, reference):
+    """Only the runner's actors are served: a client without the runner's key is
+    refused, and the run is the reference's."""
+    from multiprocessing.connection import AuthenticationError, Client
+
+    with ray_runner(make_collector(), transport="direct") as runner:
+        runner.actors()  # the actors made, and the learner listening
+        with pytest.raises((AuthenticationError, ConnectionError, EOFError, OSError)):
+            Client(runner._listener.address, authkey=b"not the key").send_bytes(b"0")
+        got = by_source(runner.run())
+        acceptor = runner._acceptor
+    assert not acceptor.is_alive() and runner._listener is None  # close() ended both
+    for k in reference:
+        assert_same(got[k], reference[k])
 
 
 def _env_raising(rank, raise_at):
