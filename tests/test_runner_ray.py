@@ -253,8 +253,9 @@ def test_learner_inference_is_batched_and_bit_identical_whatever_the_batching(
 
 @pytest.mark.parametrize(
     "policy,snapshots,transport",
-    [("learner", True, "ray"), ("learner", False, "direct"), ("actor", False, "ray")],
-    ids=["snapshot", "replay_direct", "replay"],
+    [("learner", True, "ray"), ("learner", True, "direct"), ("learner", False, "direct"),
+     ("actor", False, "ray")],
+    ids=["snapshot", "snapshot_direct", "replay_direct", "replay"],
 )
 def test_killed_worker_is_restarted_and_the_step_is_bit_identical(
     ray_instance, reference, reference_per_rank, tmp_path, policy, snapshots, transport
@@ -341,7 +342,6 @@ def test_environment_exception_names_worker_and_key(ray_instance, transport):
         runner.run()
     assert info.value.worker == "env_worker_0" and info.value.key == fail
     assert "simulator crashed" in str(info.value) and runner.restarts == 0
-    assert all(w.actor is None and w.conn is None for w in runner._ranks)  # shut down
 
 
 def test_transport_arguments_are_checked():
@@ -353,43 +353,49 @@ def test_transport_arguments_are_checked():
         RayRunner(make_collector(), PointEnv, policy_fn, PARAMS, policy="actor", transport="direct")
 
 
-def test_direct_transport_names_the_rank_whose_actor_cannot_connect(ray_instance, monkeypatch):
-    """An actor that cannot reach the learner (a port nobody listens on here) stops the
-    run with a RunnerError naming its rank, the transport and the way out."""
+def test_direct_transport_names_the_rank_whose_actor_cannot_connect(ray_instance):
+    """An actor that cannot reach the learner (given a port nobody listens on) stops the
+    run with a RunnerError naming its rank, the address it tried and the way out."""
     import socket
-
-    import jaxtraj.runners.ray as ray_module
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         nowhere = sock.getsockname()  # closed at the end of the block: refused
-
-    def connect(self, w):
-        w.loop = w.actor.serve.remote(nowhere, self._authkey, w.index)
-        w.pending.append(("connect", w.loop, None))
-
-    monkeypatch.setattr(ray_module.RayRunner, "_connect", connect)
     runner = ray_runner(make_collector(), num_steps=1, transport="direct")
+    runner.actors()  # the actors made, the learner listening; then a wrong address given
+    runner._address = nowhere
     with pytest.raises(RunnerError) as info:
         runner.run()
     assert info.value.worker in ("env_worker_0", "env_worker_1")
     message = str(info.value)
     assert "did not connect to the learner" in message and "transport='ray'" in message
-    assert "ConnectionRefusedError" in message
+    assert f"cannot reach the learner at {nowhere}" in message
     assert all(w.actor is None for w in runner._ranks) and runner._listener is None
 
 
-def test_direct_transport_refuses_a_connection_without_the_key(ray_instance, reference):
-    """Only the runner's actors are served: a client without the runner's key is
-    refused, and the run is the reference's."""
-    from multiprocessing.connection import AuthenticationError, Client
+def test_direct_transport_admits_only_the_runners_actors(ray_instance, reference, monkeypatch):
+    """A client that does not prove the runner's key is closed before anything of it is
+    unpickled, one that never speaks holds up no one, and the run is the reference's."""
+    import socket
 
+    import jaxtraj.runners.ray as ray_module
+
+    monkeypatch.setattr(ray_module, "_HANDSHAKE_S", 1.0)
     with ray_runner(make_collector(), transport="direct") as runner:
-        runner.actors()  # the actors made, and the learner listening
-        with pytest.raises((AuthenticationError, ConnectionError, EOFError, OSError)):
-            Client(runner._listener.address, authkey=b"not the key").send_bytes(b"0")
+        runner.actors()  # the actors made, the learner listening
+        silent = socket.create_connection(runner._address)  # connects, never speaks
+        wrong = socket.create_connection(runner._address, timeout=10)
+        wrong.sendall(b"n" * 32)  # a nonce; the learner proves the key on it
+        proof = wrong.recv(64)
+        assert len(proof) == 64
+        wrong.sendall(b"x" * 32 + (0).to_bytes(4, "little"))  # a wrong proof for rank 0
+        assert wrong.recv(1) == b""  # closed on it
+        with pytest.raises(ConnectionError, match="does not hold the runner's key"):
+            ray_module._dial(runner._address, b"not the key", 0)  # nor do we trust it
         got = by_source(runner.run())
         acceptor = runner._acceptor
+        silent.close()
+        wrong.close()
     assert not acceptor.is_alive() and runner._listener is None  # close() ended both
     for k in reference:
         assert_same(got[k], reference[k])

@@ -61,10 +61,14 @@ except ImportError as exc:  # pragma: no cover - exercised in a process without 
         "jaxtraj.runners.ray needs Ray, an optional dependency: pip install 'jaxtraj[ray]'"
     ) from exc
 
+import hashlib
+import hmac
 import os
 import pickle
 import queue
 import secrets
+import socket
+import struct
 import threading
 import time
 import traceback
@@ -72,7 +76,7 @@ import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from multiprocessing.connection import Client, Listener
+from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_connections
 from typing import Any
 
@@ -110,6 +114,10 @@ PyTree = Any
 _POLL_S = 0.05
 _CONNECT_POLL_S = 0.005
 _CONNECT_WAIT_S = 10.0  # after a direct connection closed: how long Ray may take to say why
+_DIAL_S = 30.0  # how long an actor tries to reach the learner's address
+_HANDSHAKE_S = 5.0  # how long either side of a connection waits for the other's next word
+_ACCEPT_POLL_S = 0.2  # how often the accept thread looks whether the runner closed
+_LIVENESS_S = 1.0  # how often the learner asks Ray whether connected actors still live
 _RETRY_S = 0.1
 #: After this long without an actor's first answer, the runner warns that Ray may be
 #: unable to place it (a start takes seconds: importing JAX, building the env).
@@ -209,10 +217,9 @@ class EnvWorker:
         requests (``reset``, ``step``, ``restore``) in order, each answered ``(ok,
         value)``, until the learner closes the connection. Runs in the thread that built
         the env (the actor's), as Ray's calls do; returns the requests served."""
-        conn = Client(address, authkey=authkey)
+        conn = _dial(address, authkey, index)
         served = 0
         try:
-            conn.send_bytes(_dumps(index))
             while True:
                 try:
                     method, args = pickle.loads(conn.recv_bytes())
@@ -238,6 +245,73 @@ class EnvWorker:
 
 
 _SERVED = ("reset", "step", "restore")  # what the learner asks over a direct connection
+
+
+def _mac(key: bytes, who: bytes, nonce: bytes) -> bytes:
+    return hmac.new(key, who + nonce, hashlib.sha256).digest()
+
+
+def _exactly(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("the other side closed the connection during the handshake")
+        data += chunk
+    return data
+
+
+def _tuned(sock: socket.socket) -> Connection:
+    """A handshaken socket as a blocking :class:`~multiprocessing.connection.Connection`
+    (framed messages), small messages sent at once (no Nagle), and a peer that vanishes
+    (a node lost, no FIN) found by TCP keepalive within about 25 s."""
+    sock.settimeout(None)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3)):
+        if hasattr(socket, name):  # Linux (elsewhere the system's defaults)
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+    return Connection(sock.detach())
+
+
+def _dial(address: Any, key: bytes, index: int) -> Connection:
+    """An actor's side of ``transport="direct"``: connect to the learner at ``address``,
+    check that it holds the runner's key, prove ours, and say which rank this is. Each
+    side proves the key on a nonce of the other's (HMAC-SHA256) before anything is
+    unpickled."""
+    try:
+        sock = socket.create_connection(tuple(address), timeout=_DIAL_S)
+    except OSError as exc:
+        raise ConnectionError(f"cannot reach the learner at {tuple(address)}: {exc!r}") from exc
+    try:
+        sock.settimeout(_HANDSHAKE_S)
+        mine = secrets.token_bytes(32)
+        sock.sendall(mine)
+        theirs = _exactly(sock, 64)
+        if not hmac.compare_digest(theirs[32:], _mac(key, b"learner", mine)):
+            raise ConnectionError(f"the listener at {tuple(address)} does not hold the runner's key")
+        sock.sendall(_mac(key, b"actor", theirs[:32]) + struct.pack("<i", index))
+        return _tuned(sock)
+    except BaseException:
+        sock.close()
+        raise
+
+
+def _admit(sock: socket.socket, key: bytes) -> tuple[int, Connection] | None:
+    """The learner's side of :func:`_dial`: ``(rank index, connection)``, or ``None`` for
+    a client that does not prove the key within :data:`_HANDSHAKE_S` (closed)."""
+    try:
+        sock.settimeout(_HANDSHAKE_S)
+        theirs = _exactly(sock, 32)
+        mine = secrets.token_bytes(32)
+        sock.sendall(mine + _mac(key, b"learner", theirs))
+        answer = _exactly(sock, 36)
+        if hmac.compare_digest(answer[:32], _mac(key, b"actor", mine)):
+            return struct.unpack("<i", answer[32:])[0], _tuned(sock)
+    except OSError:  # ConnectionError, a timeout
+        pass
+    sock.close()
+    return None
 
 
 @dataclass(frozen=True)
@@ -445,8 +519,10 @@ class RayRunner:
         self._draining = False
         self.restarts = 0  # worker restarts handled over this runner's life
         self.transport = transport
-        self._listener: Listener | None = None  # transport="direct": where actors connect
-        self._connected: queue.Queue = queue.Queue()  # (rank index, connection) accepted
+        self._listener: socket.socket | None = None  # transport="direct": where actors dial
+        self._address: tuple | None = None  # the address the actors are given
+        self._connected: queue.Queue = queue.Queue()  # (rank index, connection) admitted
+        self._liveness_at = 0.0  # when to ask Ray next whether connected actors live
 
     # -- public ----------------------------------------------------------------------
 
@@ -570,6 +646,8 @@ class RayRunner:
                 if self.stall_timeout_s is not None and time.monotonic() > stall_at:
                     stall_at = time.monotonic() + min(self.stall_timeout_s / 4, 1.0)
                     self._kill_stalled()
+                if self.transport == "direct":
+                    self._check_connected()
             self._check_complete()
         except BaseException as exc:  # KeyboardInterrupt included
             if not isinstance(exc, KeyboardInterrupt):
@@ -741,17 +819,21 @@ class RayRunner:
         if kind == "connect" and not isinstance(result, _Failure):  # its serve call ended
             result = _Failure(ConnectionError(  # before it connected
                 f"{w.name}'s actor ended its serve call ({result!r}) without connecting to "
-                f"the learner at {self._listener and self._listener.address}"))
+                f"the learner at {self._address}"))
+        if kind == "lost" and not isinstance(result, _Failure):  # the serve call returned:
+            result = _Failure(payload)  # the connection broke, the actor lives (restart it)
+        if kind == "lost" and not isinstance(result.exc, ray.exceptions.RayTaskError):
+            self._restart(w, result.exc)  # it died (Ray's word), or the connection broke
+            return
         if isinstance(result, _Failure):
             exc = result.exc
             if result.env or isinstance(exc, ray.exceptions.RayTaskError):  # the env raised
                 cause = getattr(exc, "cause", None) or exc
-                if kind == "connect":  # its serve call raised: it could not connect
+                if kind in ("connect", "lost"):  # its serve call raised (not the env)
                     cause = ConnectionError(
-                        f"{w.name}'s actor did not connect to the learner at "
-                        f"{self._listener and self._listener.address} (transport='direct'; "
-                        f"its node must reach that address, else use transport='ray'): "
-                        f"{type(cause).__name__}: {cause}"
+                        f"{w.name}'s actor did not connect to the learner, or its connection "
+                        f"failed (transport='direct'; its node must reach the learner's "
+                        f"address, else use transport='ray'): {type(cause).__name__}: {cause}"
                     )
                 raise RunnerError(w.name, w.key(), cause, self.delivered) from exc
             if kind == "ping" and isinstance(exc, ray.exceptions.ActorUnavailableError):
@@ -835,7 +917,8 @@ class RayRunner:
             return
         if w.started:
             replay = [(k, a) for k, a in w.replay]
-            self._call(w, "restore", (w.snapshot, w.prev, replay))
+            if not self._call(w, "restore", (w.snapshot, w.prev, replay)):
+                return  # the connection broke at once: restarting again
             if self.policy == "learner" and w.n < w.total and w.actions is not None:
                 key = w.key_at(w.n)  # the same actions again: the chunk's policy half is in
                 self._call(w, "step", (key.as_tuple(), w.actions), key)
@@ -845,65 +928,66 @@ class RayRunner:
 
     # -- transport="direct" -----------------------------------------------------------
 
-    def _call(self, w: _Rank, method: str, args: tuple, payload: Any = None) -> None:
+    def _call(self, w: _Rank, method: str, args: tuple, payload: Any = None) -> bool:
         """Ask rank ``w``'s actor to run ``method(*args)``: on its direct connection, or
-        as a Ray call; its answer is the next in ``w.pending`` after those before."""
+        as a Ray call; its answer is the next in ``w.pending`` after those before. False:
+        the connection broke (the rank is being restarted, nothing was asked)."""
         if self.transport != "direct":
             w.pending.append((method, getattr(w.actor, method).remote(*args), payload))
-            return
-        w.pending.append((method, _DIRECT, payload))
+            return True
         try:
             w.conn.send_bytes(_dumps((method, args)))
-        except OSError as exc:  # its process is gone (the answer will not come)
+        except OSError as exc:  # its process is gone (the answer would not come)
             self._lost(w, exc)
+            return False
+        w.pending.append((method, _DIRECT, payload))
+        return True
 
     def _listen(self) -> None:
-        """Listen for the actors' connections on this node's address (a random key per
-        runner), accepting them in a thread of their own (:meth:`_unlisten` ends it)."""
+        """Listen for the actors on this node's address (a random key per runner): a
+        thread accepts, and each connection is admitted (:func:`_admit`) in a thread of
+        its own, so a client that never speaks holds up no one (:meth:`_unlisten` ends
+        them)."""
         host = ray.util.get_node_ip_address()
         self._authkey = secrets.token_bytes(32)
-        self._listener = listener = Listener((host, 0), backlog=64, authkey=self._authkey)
-        accepted, stop = self._connected, threading.Event()
+        self._listener = listener = socket.create_server((host, 0), backlog=64)
+        listener.settimeout(_ACCEPT_POLL_S)
+        self._address = listener.getsockname()[:2]
+        admitted, key, stop = self._connected, self._authkey, threading.Event()
         self._accepting = stop
+
+        def admit(sock: socket.socket) -> None:
+            found = _admit(sock, key)
+            if found is not None:
+                admitted.put(found)
 
         def accept() -> None:
             while not stop.is_set():
                 try:
-                    conn = listener.accept()
-                except Exception:  # noqa: BLE001 (a client without the key, a reset: refused)
+                    sock, _ = listener.accept()
+                except TimeoutError:
                     continue
-                if stop.is_set():  # the wake-up call of _unlisten
-                    conn.close()
-                    return
-                try:  # an actor says which rank it serves at once
-                    if conn.poll(1.0):
-                        accepted.put((pickle.loads(conn.recv_bytes()), conn))
-                        continue
-                except Exception:  # noqa: BLE001 (not one of ours)
-                    pass
-                conn.close()
+                except OSError:  # out of descriptors, a reset: not a reason to spin
+                    time.sleep(_ACCEPT_POLL_S)
+                    continue
+                threading.Thread(target=admit, args=(sock,), daemon=True).start()
 
         self._acceptor = threading.Thread(target=accept, name="jaxtraj-ray-accept", daemon=True)
         self._acceptor.start()
 
     def _unlisten(self) -> None:
-        """Stop listening: the accept thread is woken by a connection of our own and
-        ends, then the listener closes; connections accepted but not taken are closed."""
+        """Stop listening (the accept thread sees it within :data:`_ACCEPT_POLL_S`);
+        connections admitted but not taken are closed."""
         listener, self._listener = self._listener, None
         self._accepting.set()
-        try:
-            Client(listener.address, authkey=self._authkey).close()
-        except Exception:  # noqa: BLE001 (the thread is gone already)
-            pass
-        self._acceptor.join(timeout=5.0)
+        self._acceptor.join(timeout=2 * _ACCEPT_POLL_S + 1.0)
         listener.close()
         while not self._connected.empty():  # connections that came too late
             self._connected.get_nowait()[1].close()
 
     def _connect(self, w: _Rank) -> None:
         """Have rank ``w``'s actor connect (its serve call), answered in :meth:`_accept`."""
-        listener = self._listener
-        w.loop = w.actor.serve.remote(listener.address, self._authkey, w.index)
+        w.loop = w.actor.serve.remote(self._address, self._authkey, w.index)
         w.pending.append(("connect", w.loop, None))
 
     def _accept(self) -> None:
@@ -914,9 +998,9 @@ class RayRunner:
                 index, conn = self._connected.get_nowait()
             except queue.Empty:
                 return
-            w = self._ranks[index] if isinstance(index, int) and 0 <= index < len(self._ranks) else None
+            w = self._ranks[index] if 0 <= index < len(self._ranks) else None
             if w is None or not w.pending or w.pending[0][0] != "connect" or w.conn is not None:
-                conn.close()  # not expected (an actor of a closed run, a stray client)
+                conn.close()  # not expected (an actor of a failed attempt, a closed run)
                 continue
             w.pending.popleft()
             w.conn, w.progress_at = conn, time.monotonic()
@@ -928,23 +1012,50 @@ class RayRunner:
     def _receive_direct(self, w: _Rank) -> None:
         """The answer to rank ``w``'s oldest request, from its connection."""
         try:
-            ok, value = pickle.loads(w.conn.recv_bytes())
+            data = w.conn.recv_bytes()
         except (EOFError, OSError) as exc:  # the actor's process is gone
             self._lost(w, exc)
             return
+        try:
+            ok, value = pickle.loads(data)
+        except Exception as exc:  # noqa: BLE001 (e.g. a class the learner cannot import)
+            kind = w.pending[0][0]
+            raise RunnerError(w.name, w.key(), TypeError(
+                f"the actor's answer to {kind} cannot be read in the learner: "
+                f"{type(exc).__name__}: {exc}"), self.delivered) from exc
         self._receive(w, value if ok else _Failure(value, env=True))
 
     def _lost(self, w: _Rank, exc: BaseException) -> None:
-        """Rank ``w``'s connection closed: its actor died (killed, or its process
-        ended). Ray's error for its serve call is the cause, if it says so in time."""
+        """Rank ``w``'s connection broke. What follows waits for Ray's word on its serve
+        call (without holding up the other ranks): the actor died (Ray's error, the
+        cause), or lives (restarted all the same); no word within
+        :data:`_CONNECT_WAIT_S`: a restart, the broken connection the cause."""
         w.conn.close()
         w.conn = None
-        cause: BaseException = ConnectionError(f"{w.name}'s connection closed: {exc!r}")
-        if w.loop is not None:
-            ready, _ = ray.wait([w.loop], timeout=_CONNECT_WAIT_S)
-            if ready and isinstance(found := _fetch(ready)[0], _Failure):
-                cause = found.exc
-        self._restart(w, cause)
+        w.pending.clear()
+        broke = ConnectionError(f"{w.name}'s connection to its actor broke: {exc!r}")
+        if w.loop is None:
+            self._restart(w, broke)
+            return
+        w.pending.append(("lost", w.loop, broke))
+        w.progress_at = time.monotonic()
+
+    def _check_connected(self) -> None:
+        """Ranks whose connection broke and Ray has not said why within
+        :data:`_CONNECT_WAIT_S` are restarted; once a second, connected actors Ray says
+        are gone (a node lost without a word on the connection) are too."""
+        now = time.monotonic()
+        for w in self._ranks:
+            if w.pending and w.pending[0][0] == "lost" and now - w.progress_at > _CONNECT_WAIT_S:
+                self._restart(w, w.pending[0][2])
+        if now < self._liveness_at:
+            return
+        self._liveness_at = now + _LIVENESS_S
+        serving = {w.loop: w for w in self._ranks if w.conn is not None and w.loop is not None}
+        if serving:
+            ended, _ = ray.wait(list(serving), num_returns=len(serving), timeout=0)
+            for ref in ended:  # its serve call ended while connected: the actor is gone
+                self._lost(serving[ref], ConnectionError("Ray reports its serve call ended"))
 
     def _kill_stalled(self) -> None:
         """Kill every actor that has a chunk outstanding and has not answered for
