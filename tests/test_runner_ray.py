@@ -344,6 +344,23 @@ def test_environment_exception_names_worker_and_key(ray_instance, transport):
     assert "simulator crashed" in str(info.value) and runner.restarts == 0
 
 
+class _UnsendableEnv(PointEnv):
+    def reset(self):
+        super().reset()
+        return {"state": self.pos.copy(), "hook": lambda: None}  # does not pickle
+
+
+def test_direct_transport_names_a_reply_that_cannot_be_sent(ray_instance):
+    runner = ray_runner(make_collector(), _UnsendableEnv, num_steps=1, transport="direct")
+    with pytest.raises(RunnerError) as info:
+        runner.run()
+    assert info.value.worker in ("env_worker_0", "env_worker_1")
+    assert "the env's reply (dict) cannot be sent to the learner (its reset request)" in str(
+        info.value
+    )
+    assert runner.restarts == 0 and all(w.actor is None for w in runner._ranks)
+
+
 def test_transport_arguments_are_checked():
     from jaxtraj.runners.ray import RayRunner
 

@@ -228,19 +228,25 @@ def _portable(exc: BaseException, tb: str) -> BaseException:
     return exc
 
 
+def _send_reply(conn: Any, reply: tuple, to: str) -> None:
+    """Send ``reply`` ``(ok, value, *more)`` on ``conn``; a value that does not pickle
+    goes as a ``TypeError`` saying so (``to``: whom it was for), ``more`` as ``None``."""
+    try:
+        conn.send_bytes(_dumps(reply))
+    except Exception as exc:  # noqa: BLE001 (the value does not pickle)
+        err = TypeError(
+            f"the env's reply ({type(reply[1]).__name__}) cannot be sent to {to}: "
+            f"{type(exc).__name__}: {exc}"
+        )
+        conn.send_bytes(_dumps((False, err, *[None] * (len(reply) - 2))))
+
+
 def _env_process(conn: Any, payload: bytes, name: str) -> None:
     """The env's process: build it, then execute calls until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
 
     def reply(ok: bool, value: Any, share: float | None = None) -> None:
-        try:
-            conn.send_bytes(_dumps((ok, value, share)))
-        except Exception as exc:  # noqa: BLE001 (the value does not pickle)
-            err = TypeError(
-                f"{name}: the env's reply ({type(value).__name__}) cannot be sent to the "
-                f"runner's process: {type(exc).__name__}: {exc}"
-            )
-            conn.send_bytes(_dumps((False, err, None)))
+        _send_reply(conn, (ok, value, share), f"the runner's process ({name})")
 
     try:
         env = pickle.loads(payload)()
