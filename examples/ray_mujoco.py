@@ -15,6 +15,7 @@ update is published with ``runner.update_policy`` (the version travels in
 
     pip install -e '.[ray]'            # ray, gymnasium[mujoco], mujoco<4
     python examples/ray_mujoco.py [--actors 2] [--envs 16] [--iterations 100] [--transport ray]
+        [--direct-port 0]
 
 On a cluster, start Ray on every machine (``ray start --head`` on one, ``ray start
 --address=HEAD:6379`` on the others) and run the same script on the learner node with
@@ -145,6 +146,13 @@ def main():
         help="how chunks travel: a Ray call each, or each actor's own connection to the "
         "learner (faster; the actors' nodes must reach the learner's address)",
     )
+    parser.add_argument(
+        "--direct-port",
+        type=int,
+        default=0,
+        help="with --transport direct, the port the learner listens on (one a cluster's "
+        "firewall opens); 0: one the system picks",
+    )
     args = parser.parse_args()
 
     address = args.address or os.environ.get("RAY_ADDRESS")
@@ -182,6 +190,7 @@ def main():
         num_steps=1,
         actor_options={"num_cpus": args.actor_cpus, "resources": args.actor_resources},
         transport=args.transport,
+        direct_address=(None, args.direct_port) if args.transport == "direct" else None,
     )
     first = last = None
     with runner:

@@ -538,3 +538,58 @@ def test_actors_that_cannot_be_placed_are_warned_about_not_waited_for_silently(
     assert sorted(got) == [(0, r) for r in range(RANKS)]
     for k in got:
         assert_same(got[k], reference[k])
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_direct_transport_listens_where_it_is_told(ray_instance, reference):
+    """direct_address=(host, port): the learner listens on that port (a firewall's open
+    one), the actors dial it, and the run is the reference's."""
+    port = _free_port()
+    with ray_runner(make_collector(), transport="direct", direct_address=(None, port)) as runner:
+        got = by_source(runner.run())
+        assert runner._address[1] == port
+    for k in reference:
+        assert_same(got[k], reference[k])
+
+
+def test_direct_transport_names_a_port_in_use(ray_instance, reference):
+    """A port taken by another listener stops run() before anything is collected (no
+    actor made), the error naming the address and the argument; given a free port the
+    same runner then collects the reference's first step."""
+    import socket
+
+    collector = make_collector()
+    waiting = collector.missing()  # a fresh collector's: all of step 0
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        runner = ray_runner(collector, num_steps=1, transport="direct",
+                            direct_address=("127.0.0.1", port))
+        with pytest.raises(OSError, match=rf"cannot listen on \('127.0.0.1', {port}\) "
+                                          rf"\(direct_address=\('127.0.0.1', {port}\)\)"):
+            runner.run()
+    assert runner._listener is None and all(w.actor is None for w in runner._ranks)
+    assert collector.missing() == waiting  # nothing inserted
+    runner.direct_address = (None, 0)
+    with runner:
+        got = by_source(runner.run())
+    assert sorted(got) == [(0, r) for r in range(RANKS)]
+    for k in got:
+        assert_same(got[k], reference[k])
+
+
+def test_direct_address_is_checked():
+    from jaxtraj.runners.ray import RayRunner
+
+    with pytest.raises(ValueError, match="direct_address is where transport='direct' listens"):
+        RayRunner(make_collector(), PointEnv, policy_fn, PARAMS, direct_address=(None, 0))
+    for bad in [5000, ("h",), ("h", "80"), ("h", 70000), (1, 80), ("h", True)]:
+        with pytest.raises(ValueError, match="direct_address must be \\(host, port\\)"):
+            RayRunner(make_collector(), PointEnv, policy_fn, PARAMS, transport="direct",
+                      direct_address=bad)

@@ -321,6 +321,24 @@ class _Failure:
 _DIRECT = object()
 
 
+def _checked_direct_address(address: Any, transport: str) -> tuple[str | None, int]:
+    """``RayRunner``'s ``direct_address``: ``(host, port)``, ``host`` a string or
+    ``None``, ``port`` an int in ``[0, 65535]``; only with ``transport="direct"``."""
+    if transport != "direct":
+        raise ValueError(
+            f"direct_address is where transport='direct' listens; transport is {transport!r}"
+        )
+    ok = isinstance(address, (tuple, list)) and len(address) == 2
+    host, port = address if ok else (None, None)
+    if (not ok or not (host is None or isinstance(host, str))
+            or isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535):
+        raise ValueError(
+            "direct_address must be (host, port): host a string or None (the node's "
+            f"address), port an int in [0, 65535] (0: one the system picks); got {address!r}"
+        )
+    return host, port
+
+
 def _fetch(refs: list) -> list:
     """The results of ``refs`` (ready ones) in one call; a :class:`_Failure` for each
     that raised."""
@@ -431,6 +449,14 @@ class RayRunner:
         (fast simulators, small batches) are not bound by the transport. Faults are
         handled the same: a closed connection is a dead actor, restarted, restored and
         redoing its chunk. The trajectories do not depend on it.
+      direct_address: with ``transport="direct"``, ``(host, port)`` the learner
+        listens on. ``None`` (default): this node's address (Ray's
+        ``get_node_ip_address``) and a port the system picks. A ``port`` of ``0`` lets
+        the system pick; give one where a cluster's firewall opens only some ports.
+        ``host`` ``None``: the node's address; ``""``, ``"0.0.0.0"`` or ``"::"``: every
+        interface, the actors dialing the node's address; any other: that address,
+        which the actors must reach. A port already in use stops :meth:`run` before
+        anything is collected, with an error naming it.
 
     Example::
 
@@ -466,6 +492,7 @@ class RayRunner:
         max_batch: int | None = None,
         batch_wait_s: float = 0.0,
         transport: str = "ray",
+        direct_address: tuple[str | None, int] | None = None,
     ):
         if policy not in ("learner", "actor"):
             raise ValueError(f"policy must be 'learner' or 'actor', got {policy!r}")
@@ -476,6 +503,8 @@ class RayRunner:
                 "transport='direct' carries the chunks of policy='learner' (with "
                 "policy='actor' the actors' results go through Ray, several chunks a call)"
             )
+        if direct_address is not None:
+            direct_address = _checked_direct_address(direct_address, transport)
         if chunks_per_call is None:  # a training step's chunks per call
             chunks_per_call = collector.plan.num_epochs * collector.plan.num_chunks
         if chunks_per_call < 1 or max_in_flight < 1:
@@ -513,7 +542,7 @@ class RayRunner:
         self._consumer = Consumer(collector, on_flush, output_queue)
         self._draining = False
         self.restarts = 0  # worker restarts handled over this runner's life
-        self.transport = transport
+        self.transport, self.direct_address = transport, direct_address
         self._listener: socket.socket | None = None  # transport="direct": where actors dial
         self._address: tuple | None = None  # the address the actors are given
         self._connected: queue.Queue = queue.Queue()  # (rank index, connection) admitted
@@ -943,11 +972,23 @@ class RayRunner:
         thread accepts, and each connection is admitted (:func:`_admit`) in a thread of
         its own, so a client that never speaks holds up no one (:meth:`_unlisten` ends
         them)."""
-        host = ray.util.get_node_ip_address()
+        node = ray.util.get_node_ip_address()
+        host, port = self.direct_address or (None, 0)
+        bind = node if host is None else host
+        try:
+            listener = socket.create_server((bind, port), backlog=64)
+        except OSError as exc:
+            raise OSError(
+                exc.errno,
+                f"transport='direct': the learner cannot listen on {(bind, port)} "
+                f"(direct_address={self.direct_address!r}): {exc.strerror or exc}; give "
+                "another port (0: one the system picks), or use transport='ray'",
+            ) from exc
         self._authkey = secrets.token_bytes(32)
-        self._listener = listener = socket.create_server((host, 0), backlog=64)
+        self._listener = listener
         listener.settimeout(_ACCEPT_POLL_S)
-        self._address = listener.getsockname()[:2]
+        # Where the actors dial: the node's address when listening on every interface.
+        self._address = ((node if bind in ("", "0.0.0.0", "::") else bind), listener.getsockname()[1])
         # A queue per listener: a handshake that ends after close() reaches no later run.
         self._connected = admitted = queue.Queue()
         key, stop = self._authkey, threading.Event()
