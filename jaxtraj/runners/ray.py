@@ -872,8 +872,10 @@ class RayRunner:
         elif kind == "ping":  # the restarted actor is up: back to the restore point
             self._redo(w)
             return
-        elif kind == "restore":
-            pass  # the actor is back at the learner's restore point
+        elif kind == "restore":  # the actor is back at the learner's restore point
+            if payload:  # its chunk's step was left for now (transport="direct")
+                self._step_again(w)
+                return
         elif kind == "step":
             self._due.back(w.index, time.monotonic())
             part, out, snapshot = result
@@ -941,14 +943,25 @@ class RayRunner:
             return
         if w.started:
             replay = [(k, a) for k, a in w.replay]
-            if not self._call(w, "restore", (w.snapshot, w.prev, replay)):
+            again = self.policy == "learner" and w.n < w.total and w.actions is not None
+            # Over a connection the chunk's step is asked once the restore is answered:
+            # asked at once, a large answer (camera observations) and a large step
+            # (long chunks) could each wait for the other to be read, neither side reading.
+            later = again and self.transport == "direct"
+            if not self._call(w, "restore", (w.snapshot, w.prev, replay), later):
                 return  # the connection broke at once: restarting again
-            if self.policy == "learner" and w.n < w.total and w.actions is not None:
-                key = w.key_at(w.n)  # the same actions again: the chunk's policy half is in
-                self._call(w, "step", (key.as_tuple(), w.actions), key)
-                self._due.started(w.index, time.monotonic())
+            if again and not later:
+                self._step_again(w)
+            if again:
                 return
         self._submit(w)
+
+    def _step_again(self, w: _Rank) -> None:
+        """Rank ``w``, restored, executes its chunk's actions again (the chunk's policy
+        half is in)."""
+        key = w.key_at(w.n)
+        if self._call(w, "step", (key.as_tuple(), w.actions), key):
+            self._due.started(w.index, time.monotonic())
 
     # -- transport="direct" -----------------------------------------------------------
 
