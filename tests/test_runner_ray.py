@@ -548,21 +548,34 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_direct_transport_listens_where_it_is_told(ray_instance, reference):
+@pytest.mark.parametrize("host", [None, "0.0.0.0", "::"])
+def test_direct_transport_listens_where_it_is_told(ray_instance, reference, host):
     """direct_address=(host, port): the learner listens on that port (a firewall's open
-    one), the actors dial it, and the run is the reference's."""
+    one; on every interface with "0.0.0.0" and "::", the actors dialing the node's
+    address), and the run is the reference's."""
+    import socket
+
+    if host == "::" and not socket.has_dualstack_ipv6():
+        pytest.skip("no dual-stack IPv6 sockets here")
     port = _free_port()
-    with ray_runner(make_collector(), transport="direct", direct_address=(None, port)) as runner:
+    with ray_runner(make_collector(), num_steps=1, transport="direct",
+                    direct_address=(host, port)) as runner:
         got = by_source(runner.run())
-        assert runner._address[1] == port
-    for k in reference:
+        listening = runner._listener.getsockname()
+        assert listening[1] == port and runner._address[1] == port
+        if host is not None:  # every interface; the actors were given the node's address
+            assert listening[0] == host
+            assert runner._address[0] == ray.util.get_node_ip_address()
+    assert sorted(got) == [(0, r) for r in range(RANKS)]
+    for k in got:
         assert_same(got[k], reference[k])
 
 
 def test_direct_transport_names_a_port_in_use(ray_instance, reference):
-    """A port taken by another listener stops run() before anything is collected (no
-    actor made), the error naming the address and the argument; given a free port the
-    same runner then collects the reference's first step."""
+    """A port taken by another listener, or a host not of this node, stops run() before
+    anything is collected (no actor made), the error naming the address, the argument
+    and the likely cause; the collector then takes a new runner's steps as if nothing
+    had happened."""
     import socket
 
     collector = make_collector()
@@ -572,12 +585,18 @@ def test_direct_transport_names_a_port_in_use(ray_instance, reference):
         runner = ray_runner(collector, num_steps=1, transport="direct",
                             direct_address=("127.0.0.1", port))
         with pytest.raises(OSError, match=rf"cannot listen on \('127.0.0.1', {port}\) "
-                                          rf"\(direct_address=\('127.0.0.1', {port}\)\)"):
+                                          rf"\(direct_address=\('127.0.0.1', {port}\)\).*"
+                                          "the port is in use"):
             runner.run()
     assert runner._listener is None and all(w.actor is None for w in runner._ranks)
+    runner.close()
+    elsewhere = ray_runner(collector, num_steps=1, transport="direct",
+                           direct_address=("192.0.2.1", 0))  # TEST-NET-1: no node's
+    with pytest.raises(OSError, match="is '192.0.2.1' an address of this node"):
+        elsewhere.run()
+    assert elsewhere._listener is None and all(w.actor is None for w in elsewhere._ranks)
     assert collector.missing() == waiting  # nothing inserted
-    runner.direct_address = (None, 0)
-    with runner:
+    with ray_runner(collector, num_steps=1, transport="direct") as runner:
         got = by_source(runner.run())
     assert sorted(got) == [(0, r) for r in range(RANKS)]
     for k in got:
@@ -589,7 +608,32 @@ def test_direct_address_is_checked():
 
     with pytest.raises(ValueError, match="direct_address is where transport='direct' listens"):
         RayRunner(make_collector(), PointEnv, policy_fn, PARAMS, direct_address=(None, 0))
-    for bad in [5000, ("h",), ("h", "80"), ("h", 70000), (1, 80), ("h", True)]:
+    for bad in [5000, ("h",), ("h", "80"), ("h", 70000), ("h", -1), (1, 80), ("h", True)]:
         with pytest.raises(ValueError, match="direct_address must be \\(host, port\\)"):
             RayRunner(make_collector(), PointEnv, policy_fn, PARAMS, transport="direct",
                       direct_address=bad)
+    runner = RayRunner(make_collector(), PointEnv, policy_fn, PARAMS, transport="direct",
+                       direct_address=("h", np.int64(8000)))  # any integer
+    assert runner.direct_address == ("h", 8000) and type(runner.direct_address[1]) is int
+
+
+def test_direct_transport_warns_of_a_loopback_address(ray_instance):
+    """A host name that resolves to a loopback address here (Debian's /etc/hosts maps
+    the machine's own name so) is one other nodes cannot reach: a warning says so, and
+    the actors are given the address bound, not the name."""
+    node = ray.util.get_node_ip_address()
+    if ray_module_loopback(node):
+        pytest.skip(f"this node's address {node} is itself a loopback one")
+    runner = ray_runner(make_collector(), transport="direct", direct_address=("localhost", 0))
+    with pytest.warns(UserWarning, match="a loopback address: actors on other nodes cannot"):
+        runner.actors()
+    try:
+        assert ray_module_loopback(runner._address[0])
+    finally:
+        runner.close()
+
+
+def ray_module_loopback(address):
+    from jaxtraj.runners.ray import _loopback
+
+    return _loopback(address)

@@ -61,8 +61,11 @@ except ImportError as exc:  # pragma: no cover - exercised in a process without 
         "jaxtraj.runners.ray needs Ray, an optional dependency: pip install 'jaxtraj[ray]'"
     ) from exc
 
+import errno
 import hashlib
 import hmac
+import ipaddress
+import operator
 import os
 import pickle
 import queue
@@ -321,6 +324,16 @@ class _Failure:
 _DIRECT = object()
 
 
+_EVERY_INTERFACE = ("", "0.0.0.0", "::")  # direct_address hosts that listen on every interface
+
+
+def _loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
 def _checked_direct_address(address: Any, transport: str) -> tuple[str | None, int]:
     """``RayRunner``'s ``direct_address``: ``(host, port)``, ``host`` a string or
     ``None``, ``port`` an int in ``[0, 65535]``; only with ``transport="direct"``."""
@@ -330,8 +343,12 @@ def _checked_direct_address(address: Any, transport: str) -> tuple[str | None, i
         )
     ok = isinstance(address, (tuple, list)) and len(address) == 2
     host, port = address if ok else (None, None)
+    try:  # an integer of any kind (a NumPy one too), not a bool
+        port = None if isinstance(port, bool) else operator.index(port)
+    except TypeError:
+        port = None
     if (not ok or not (host is None or isinstance(host, str))
-            or isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535):
+            or port is None or not 0 <= port <= 65535):
         raise ValueError(
             "direct_address must be (host, port): host a string or None (the node's "
             f"address), port an int in [0, 65535] (0: one the system picks); got {address!r}"
@@ -441,9 +458,9 @@ class RayRunner:
         its result comes back. ``"ray"`` (default): a Ray actor call per chunk, through
         the object store. ``"direct"``: each actor connects back to the learner once
         (TCP; each side proves a key made per runner, HMAC-SHA256 on the other's nonce,
-        before anything is unpickled; the learner listens on its node's address, which
-        the actors must be able to reach), and the chunks go both ways on that
-        connection, pickled; Ray
+        before anything is unpickled; the learner listens on its node's address, or
+        ``direct_address``, which the actors must be able to reach), and the chunks go
+        both ways on that connection, pickled; Ray
         still places, restarts and kills the actors. A round trip costs ~0.2 ms
         against Ray's ~2.6 ms on a 2-core machine, so chunks shorter than a few ms
         (fast simulators, small batches) are not bound by the transport. Faults are
@@ -454,9 +471,12 @@ class RayRunner:
         ``get_node_ip_address``) and a port the system picks. A ``port`` of ``0`` lets
         the system pick; give one where a cluster's firewall opens only some ports.
         ``host`` ``None``: the node's address; ``""``, ``"0.0.0.0"`` or ``"::"``: every
-        interface, the actors dialing the node's address; any other: that address,
-        which the actors must reach. A port already in use stops :meth:`run` before
-        anything is collected, with an error naming it.
+        interface (IPv4 and IPv6 with ``"::"`` where the system allows), the actors
+        dialing the node's address; any other (an IPv4 or IPv6 address, or a name,
+        resolved on the learner's node): the address bound, which the actors must
+        reach (a loopback one, other nodes cannot: a warning says so). A port in use,
+        or a host that is not this node's, stops :meth:`run` before anything is
+        collected, with an error naming it.
 
     Example::
 
@@ -958,7 +978,9 @@ class RayRunner:
 
     def _step_again(self, w: _Rank) -> None:
         """Rank ``w``, restored, executes its chunk's actions again (the chunk's policy
-        half is in)."""
+        half is in); not while the run drains after a failure."""
+        if self._draining:
+            return
         key = w.key_at(w.n)
         if self._call(w, "step", (key.as_tuple(), w.actions), key):
             self._due.started(w.index, time.monotonic())
@@ -981,27 +1003,46 @@ class RayRunner:
         return True
 
     def _listen(self) -> None:
-        """Listen for the actors on this node's address (a random key per runner): a
+        """Listen for the actors on ``direct_address``, by default this node's address
+        and a port the system picks (a random key per runner): a
         thread accepts, and each connection is admitted (:func:`_admit`) in a thread of
         its own, so a client that never speaks holds up no one (:meth:`_unlisten` ends
         them)."""
         node = ray.util.get_node_ip_address()
         host, port = self.direct_address or (None, 0)
         bind = node if host is None else host
+        every = bind in _EVERY_INTERFACE
         try:
-            listener = socket.create_server((bind, port), backlog=64)
-        except OSError as exc:
+            listener = socket.create_server(
+                (bind, port),
+                family=socket.AF_INET6 if ":" in bind else socket.AF_INET,
+                backlog=64,
+                dualstack_ipv6=bind == "::" and socket.has_dualstack_ipv6(),
+            )
+        except OSError as exc:  # socket.gaierror too: a host that does not resolve
+            why = ("the port is in use: give another (0: one the system picks)"
+                   if exc.errno == errno.EADDRINUSE else
+                   f"is {bind!r} an address of this node, the port one it may use?")
             raise OSError(
                 exc.errno,
                 f"transport='direct': the learner cannot listen on {(bind, port)} "
-                f"(direct_address={self.direct_address!r}): {exc.strerror or exc}; give "
-                "another port (0: one the system picks), or use transport='ray'",
+                f"(direct_address={self.direct_address!r}): {exc.strerror or exc}; {why} "
+                "Or use transport='ray'.",
             ) from exc
         self._authkey = secrets.token_bytes(32)
         self._listener = listener
         listener.settimeout(_ACCEPT_POLL_S)
-        # Where the actors dial: the node's address when listening on every interface.
-        self._address = ((node if bind in ("", "0.0.0.0", "::") else bind), listener.getsockname()[1])
+        # Where the actors dial: the node's address when listening on every interface,
+        # else the address bound (a host name resolved here, as the learner's node does).
+        where = listener.getsockname()
+        self._address = (node if every else where[0], where[1])
+        if not every and ipaddress.ip_address(where[0]).is_loopback and not _loopback(node):
+            warnings.warn(
+                f"transport='direct': the learner listens on {where[0]} (direct_address="
+                f"{self.direct_address!r}), a loopback address: actors on other nodes "
+                f"cannot reach it (this node's address is {node})",
+                stacklevel=3,
+            )
         # A queue per listener: a handshake that ends after close() reaches no later run.
         self._connected = admitted = queue.Queue()
         key, stop = self._authkey, threading.Event()
