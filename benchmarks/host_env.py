@@ -38,6 +38,9 @@ episode), ``K = 4`` actions per chunk, ``T = 16`` chunks per training step, ``E 
 - ``bw_proc``: ``b_proc`` with ``batch_wait_s=0.005``: a request waits up to 5 ms for
   the other rank's when that one is expected back within it (the ranks fall into step,
   one ``policy_fn`` call a chunk instead of up to two: less CPU, where CPUs are short);
+- ``b1``, ``b1_proc``: ``b`` and ``b_proc`` with one env rank of B (``halfcheetah``
+  only: EnvPool's own threads step the B envs on every core, as in the hand loop; what
+  is left to overlap is inference and the collector's work);
 - ``b4``, ``b4_proc``: ``b`` and ``b_proc`` with four env ranks of B/4 (``sleep1ms``
   only);
 - ``c``, ``c_proc``: :class:`~jaxtraj.runners.threads.DecoupledRunner`, the same setups;
@@ -134,17 +137,19 @@ ENVS = {
     "sleep1ms": dict(kind="sleep", task="Sleep1ms", B=8),
 }
 CONFIGS = [
-    "a", "a_adapter", "a_collector", "b", "b_proc", "b0_proc", "bw_proc", "b4", "b4_proc", "c",
+    "a", "a_adapter", "a_collector", "b", "b_proc", "b0_proc", "bw_proc", "b1", "b1_proc", "b4",
+    "b4_proc", "c",
     "c_proc", "d", "d_direct",
     "d_actor", "d4", "d4_direct", "d4_actor", "a_1core", "b_1core", "a_null", "b_null",
 ]
 # configurations measured on some envs only
-ONLY = {"b4": {"sleep1ms"}, "b4_proc": {"sleep1ms"}, "d4": {"sleep1ms"}, "d4_direct": {"sleep1ms"},
+ONLY = {"b1": {"halfcheetah"}, "b1_proc": {"halfcheetah"},
+        "b4": {"sleep1ms"}, "b4_proc": {"sleep1ms"}, "d4": {"sleep1ms"}, "d4_direct": {"sleep1ms"},
         "d4_actor": {"sleep1ms"}}
 # On the latency-bound env: what is measured is overlap (the rest is the CPU-bound envs').
 SLEEP_CONFIGS = {"a", "b", "b_proc", "b0_proc", "bw_proc", "b4", "b4_proc", "d", "d_direct", "d4",
                  "d4_direct", "d4_actor"}
-RANKS = {"b4": 4, "b4_proc": 4, "d4": 4, "d4_direct": 4, "d4_actor": 4}
+RANKS = {"b1": 1, "b1_proc": 1, "b4": 4, "b4_proc": 4, "d4": 4, "d4_direct": 4, "d4_actor": 4}
 # (env, configuration, reference configuration, the least ratio): issue 26's targets, for
 # AsyncRunner with thread workers (b, b4) and process workers (b_proc, b4_proc) alike.
 TARGETS = [
@@ -177,6 +182,8 @@ LABELS = {
     "b_proc": "(b) AsyncRunner, 2 ranks, env processes",
     "b0_proc": "(b0) AsyncRunner, 2 ranks, env processes, batch_wait_s 0",
     "bw_proc": "(bw) AsyncRunner, 2 ranks, env processes, batch_wait_s 5 ms",
+    "b1": "(b1) AsyncRunner, 1 rank of B",
+    "b1_proc": "(b1) AsyncRunner, 1 rank of B, env process",
     "b4": "(b4) AsyncRunner, 4 ranks",
     "b4_proc": "(b4) AsyncRunner, 4 ranks, env processes",
     "c": "(c) DecoupledRunner, 2 ranks",
