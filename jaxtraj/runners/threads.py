@@ -175,11 +175,11 @@ class AsyncRunner:
         time waiting for the GIL counts as waiting, so several thread ranks of such envs
         may read as waiting: they belong in processes (``env_workers="process"``), or
         give a number. Measured on 2 cores (``benchmarks/host_env.py``, ratio to a hand
-        loop, two runs of 2026-12-05): gymnasium Hopper with 2 process ranks 1.33x and
-        1.27x with ``"auto"``, against 1.13x and 1.29x with 0 and 1.32x and 1.22x with
-        5 ms (the machine's noise is of that order); a 1 ms latency-bound env 1.79x and
-        1.72x (``"auto"`` chose 0). A performance knob only: the trajectories do not
-        depend on it.
+        loop, three runs of 2026-12-05): gymnasium Hopper with 2 process ranks 1.33x,
+        1.27x and 1.19x with ``"auto"``, against 1.13x, 1.29x and 1.14x with 0 and
+        1.32x, 1.22x and 1.10x with 5 ms (the machine's noise is of that order); a 1 ms
+        latency-bound env 1.79x, 1.72x and 1.72x (``"auto"`` chose 0). A performance
+        knob only: the trajectories do not depend on it.
       env_workers: where factories build and step their envs: ``"thread"`` (a thread
         of the env's own, :class:`~jaxtraj.runners.bound.ThreadBoundEnv`) or
         ``"process"`` (a process of its own,
