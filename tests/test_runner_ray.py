@@ -370,14 +370,19 @@ def test_transport_arguments_are_checked():
         RayRunner(make_collector(), PointEnv, policy_fn, PARAMS, policy="actor", transport="direct")
 
 
-def test_direct_transport_names_the_rank_whose_actor_cannot_connect(ray_instance):
-    """An actor that cannot reach the learner (given a port nobody listens on) stops the
-    run with a RunnerError naming its rank, the address it tried and the way out."""
+def _free_port() -> int:
+    """A port nobody listens on (bound, then closed)."""
     import socket
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        nowhere = sock.getsockname()  # closed at the end of the block: refused
+        return sock.getsockname()[1]
+
+
+def test_direct_transport_names_the_rank_whose_actor_cannot_connect(ray_instance):
+    """An actor that cannot reach the learner (given a port nobody listens on) stops the
+    run with a RunnerError naming its rank, the address it tried and the way out."""
+    nowhere = ("127.0.0.1", _free_port())  # nobody listens there: refused
     runner = ray_runner(make_collector(), num_steps=1, transport="direct")
     runner.actors()  # the actors made, the learner listening; then a wrong address given
     runner._address = nowhere
@@ -540,14 +545,6 @@ def test_actors_that_cannot_be_placed_are_warned_about_not_waited_for_silently(
         assert_same(got[k], reference[k])
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.parametrize("host", [None, "0.0.0.0", "::"])
 def test_direct_transport_listens_where_it_is_told(ray_instance, reference, host):
     """direct_address=(host, port): the learner listens on that port (a firewall's open
@@ -621,19 +618,15 @@ def test_direct_transport_warns_of_a_loopback_address(ray_instance):
     """A host name that resolves to a loopback address here (Debian's /etc/hosts maps
     the machine's own name so) is one other nodes cannot reach: a warning says so, and
     the actors are given the address bound, not the name."""
+    from jaxtraj.runners.ray import _loopback
+
     node = ray.util.get_node_ip_address()
-    if ray_module_loopback(node):
+    if _loopback(node):
         pytest.skip(f"this node's address {node} is itself a loopback one")
     runner = ray_runner(make_collector(), transport="direct", direct_address=("localhost", 0))
     with pytest.warns(UserWarning, match="a loopback address: actors on other nodes cannot"):
         runner.actors()
     try:
-        assert ray_module_loopback(runner._address[0])
+        assert _loopback(runner._address[0])
     finally:
         runner.close()
-
-
-def ray_module_loopback(address):
-    from jaxtraj.runners.ray import _loopback
-
-    return _loopback(address)

@@ -970,9 +970,9 @@ class RayRunner:
             later = again and self.transport == "direct"
             if not self._call(w, "restore", (w.snapshot, w.prev, replay), later):
                 return  # the connection broke at once: restarting again
-            if again and not later:
-                self._step_again(w)
             if again:
+                if not later:
+                    self._step_again(w)
                 return
         self._submit(w)
 
@@ -1036,7 +1036,7 @@ class RayRunner:
         # else the address bound (a host name resolved here, as the learner's node does).
         where = listener.getsockname()
         self._address = (node if every else where[0], where[1])
-        if not every and ipaddress.ip_address(where[0]).is_loopback and not _loopback(node):
+        if not every and _loopback(where[0]) and not _loopback(node):
             warnings.warn(
                 f"transport='direct': the learner listens on {where[0]} (direct_address="
                 f"{self.direct_address!r}), a loopback address: actors on other nodes "
