@@ -864,6 +864,41 @@ def test_process_workers_bad_factories_and_crashes_name_the_rank():
     assert jaxtraj_children() == []
 
 
+def test_process_workers_failure_keeps_every_chunk_received():
+    """A rank failing mid-run over env processes: every chunk whose result came in is in
+    the collector (the env halves still to be made, off the path to the actions, are made
+    for the drain); the step already delivered is the reference's."""
+    delivered = []
+    collector = make_collector()
+    fail = (1, 0, 1, 0, 1)  # step 1, epoch 0, rank 1, chunk 1
+    runner = AsyncRunner(
+        collector,
+        [functools.partial(PointEnv, 0), functools.partial(PointEnv, 1, fail_at=fail)],
+        policy_fn, PARAMS, num_steps=3, env_workers="process",
+        on_flush=lambda q, tr: delivered.append(tr),
+    )
+    with runner, pytest.raises(RunnerError, match="simulator crashed") as info:
+        runner.run()
+    err = info.value
+    assert err.worker == "env_worker_1" and err.key == fail
+    got = {(int(tr.step_id), int(tr.env_rank)): tr for tr in delivered}
+    assert (0, 1) in got and err.delivered == len(delivered)
+    assert_same(got[(0, 1)], sync_reference(1)[(0, 1)])
+    assert collector.current_step(1) == 1
+    missing = collector.missing()
+    rank1 = {(k, half) for k, half, _ in missing if k[2] == 1}
+    assert ((1, 0, 1, 0, 0), "env") not in rank1  # received just before the failure: kept
+    assert (fail, "env") in rank1
+    # Each rank's chunks are collected in order with no hole: what a rank still misses of
+    # its current step, of either half, is the end of the step's chunks.
+    order = [(e, t) for e in range(E) for t in range(T)]
+    for rank in (0, 1):
+        for half in ("policy", "env"):
+            left = sorted((k[1], k[4]) for k, h, _ in missing if k[2] == rank and h == half)
+            assert left == order[len(order) - len(left):], (rank, half, left)
+    assert jaxtraj_children() == []
+
+
 def jaxtraj_children():
     import multiprocessing
 

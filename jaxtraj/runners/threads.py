@@ -825,78 +825,112 @@ class AsyncRunner:
                     raise RunnerError(names[i], key.as_tuple(), exc) from exc
                 self._carry[i] = (obs, None)
             self._ask(i, self._carry[i][0])
-        halves: list[tuple] = []  # (env index, key, EnvStep, previous transition)
+        halves: collections.deque = collections.deque()  # (env index, key, EnvStep, prev)
 
-        def env_halves() -> None:
-            """The env halves of the chunks received: made, checked, completed."""
-            while halves:
-                i, key, out, prev = halves.pop(0)
-                ctx["key"] = key
-                part = env_part(plan, key, out, prev, out.obs if self.pipelined else None)
-                try:
-                    self._check(part, key)
-                except Exception as exc:
-                    raise RunnerError(names[i], key.as_tuple(), exc) from exc
-                if self.value_fn is None:  # no terminal inference to run
-                    self._emit(names[i], part, rands[i])
-                else:
-                    with self._lock:
-                        params = self._params
-                    self._complete((names[i], out, part), params, rand, ctx)
-
-        deadline = None
-        while min(done) < per_env:
-            if ready:
-                # Serve now if every rank that will ask soon has asked, the call is
-                # full, or the wait is over (a rank asks again when its step is back;
-                # pipelined, when the step it holds actions for starts).
-                asking = {r[0] for r in ready}
-                now = time.monotonic()
-                deadline = now + self._wait() if deadline is None else deadline
-                coming = [i for i in range(n_env) if i not in asking and asked[i] < per_env
-                          and (held[i] if self.pipelined else stepping[i]) is not None
-                          and expect.by(i, deadline)]
-                if len(ready) >= self._slots or not coming or now >= deadline:
-                    batch = sorted(ready, key=lambda r: r[0])
-                    ready.clear()
-                    deadline = None
-                    self._serve(batch, rand, ctx)
-                    env_halves()
-                    self._flush()
-                    continue
-                env_halves()  # while the other ranks' steps are out
-                timeout = min(deadline - now, _POLL_S)
+        def env_half() -> None:
+            """The env half of the oldest chunk received: made, checked, completed."""
+            i, key, out, prev = halves.popleft()
+            ctx["key"] = key
+            part = env_part(plan, key, out, prev, out.obs if self.pipelined else None)
+            try:
+                self._check(part, key)
+            except Exception as exc:
+                raise RunnerError(names[i], key.as_tuple(), exc) from exc
+            if self.value_fn is None:  # no terminal inference to run
+                self._emit(names[i], part, rands[i])
             else:
+                with self._lock:
+                    params = self._params
+                self._complete((names[i], out, part), params, rand, ctx)
+
+        def backlog() -> int:
+            """Work off the path to the actions: env halves to make, halves to insert."""
+            return len(halves) + len(self._outbox) + len(self._batch)
+
+        def piece() -> None:
+            """One piece of that work (an env half made, or one half inserted): between
+            pieces the pipes are looked at again, so a rank whose result is in is served
+            first and waits at most a piece, not a round's inserts."""
+            if halves:
+                env_half()
+                return
+            if self._outbox:
+                self._batch.extend(self._outbox)
+                self._outbox = []
+            if self._batch:  # popped first: the rest is left for the drain if one is rejected
+                self._consumer.consume(*self._batch.popleft())
+
+        # Never more than a few rounds' work behind (a learner short of CPU catches up
+        # before it serves again).
+        most_behind = 8 * n_env
+
+        def serve() -> None:
+            """Results in first, then the ranks ready served, then (no result in) one
+            piece of the work behind."""
+            deadline = None
+            while min(done) < per_env:
                 timeout = _POLL_S
-            due = self._arrive()  # parts in transit (jitter_s) that are due
-            if due is not None:
-                timeout = min(timeout, due)
-            for i in wait(timeout):
-                key = ctx["key"] = stepping[i]
-                stepping[i] = None
-                expect.back(i, time.monotonic())
-                try:
-                    out = self.envs[i].receive()
-                except Exception as exc:  # key None: its process ended with no step to run
-                    raise RunnerError(names[i], key and key.as_tuple(), exc) from exc
-                expect.cpu(i, self.envs[i].cpu_share)
-                if held[i] is not None:  # the next chunk's actions: its step starts at once
-                    (k, actions), held[i] = held[i], None
-                    self._send_step(i, k, actions, out.obs)
-                try:  # before the policy sees it
-                    self._check_obs(out.obs, key)
-                except Exception as exc:
-                    raise RunnerError(names[i], key.as_tuple(), exc) from exc
-                # Its env half is made after the next serve (off the path to the actions).
-                halves.append((i, key, out, self._carry[i][1]))
-                self._carry[i] = (out.obs, out.transition)
-                done[i] += 1
-                if not self.pipelined:
-                    self._ask(i, out.obs)
-            if not ready:
-                env_halves()
-                self._flush()
-        env_halves()
+                if ready and backlog() <= most_behind:
+                    # Serve now if every rank that will ask soon has asked, the call is
+                    # full, or the wait is over (a rank asks again when its step is back;
+                    # pipelined, when the step it holds actions for starts).
+                    asking = {r[0] for r in ready}
+                    now = time.monotonic()
+                    deadline = now + self._wait() if deadline is None else deadline
+                    coming = [i for i in range(n_env) if i not in asking and asked[i] < per_env
+                              and (held[i] if self.pipelined else stepping[i]) is not None
+                              and expect.by(i, deadline)]
+                    if len(ready) >= self._slots or not coming or now >= deadline:
+                        batch = sorted(ready, key=lambda r: r[0])
+                        ready.clear()
+                        deadline = None
+                        self._serve(batch, rand, ctx)
+                        continue
+                    timeout = min(deadline - now, _POLL_S)
+                due = self._arrive()  # parts in transit (jitter_s) that are due
+                if due is not None:
+                    timeout = min(timeout, due)
+                behind = backlog()
+                got = wait(0.0 if behind else timeout)
+                for i in got:
+                    key = ctx["key"] = stepping[i]
+                    stepping[i] = None
+                    expect.back(i, time.monotonic())
+                    try:
+                        out = self.envs[i].receive()
+                    except Exception as exc:  # key None: its process ended with no step to run
+                        raise RunnerError(names[i], key and key.as_tuple(), exc) from exc
+                    expect.cpu(i, self.envs[i].cpu_share)
+                    if held[i] is not None:  # the next chunk's actions: its step starts at once
+                        (k, actions), held[i] = held[i], None
+                        self._send_step(i, k, actions, out.obs)
+                    try:  # before the policy sees it
+                        self._check_obs(out.obs, key)
+                    except Exception as exc:
+                        raise RunnerError(names[i], key.as_tuple(), exc) from exc
+                    # Its env half is made later, off the path to the actions.
+                    halves.append((i, key, out, self._carry[i][1]))
+                    self._carry[i] = (out.obs, out.transition)
+                    done[i] += 1
+                    if not self.pipelined:
+                        self._ask(i, out.obs)
+                if not got and behind:
+                    piece()
+
+        try:
+            serve()
+        except BaseException:
+            # The chunks already received are collected: their env halves are made for
+            # the drain to insert (up to the first that cannot be; that failure is not
+            # the one reported).
+            try:
+                while halves:
+                    env_half()
+            except Exception:  # noqa: BLE001
+                pass
+            raise
+        while halves:
+            env_half()
         self._flush()
         while self._held:  # the last parts in transit arrive
             time.sleep(self._arrive() or 0.0)
