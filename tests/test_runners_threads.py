@@ -318,6 +318,31 @@ def test_wrong_policy_chunk_size_names_policy_worker():
     assert len(collector.missing()) == 2 * RANKS * E * T  # nothing bad got in
 
 
+@pytest.mark.parametrize("workers", ["thread", "process"])
+def test_a_bad_policy_output_beside_good_actions_names_the_field(workers):
+    """The actions go out before the rest of the output is checked (where they are what
+    the layout holds): a bad log-probability is still refused, naming the field, and no
+    policy half of it gets in."""
+    collector = make_collector()
+    envs = [PointEnv(0), PointEnv(1)]
+    if workers == "process":
+        envs = [functools.partial(PointEnv, r) for r in range(RANKS)]
+    runner = AsyncRunner(collector, envs, _short_logprobs, PARAMS, env_workers=workers)
+    with runner, pytest.raises(RunnerError) as info:
+        runner.run()
+    assert info.value.worker == "policy_worker" and info.value.key[4] == 0
+    assert "prev_logprobs" in str(info.value)
+    assert "STRUCTURE_MISMATCH" in repr(info.value.cause.code)
+    assert runner_threads() == []
+    assert {k for k, half, _ in collector.missing() if half == "policy"} == {
+        (0, e, r, 0, t) for e in range(E) for r in range(RANKS) for t in range(T)}
+
+
+def _short_logprobs(params, obs, rng):
+    out = policy_fn(params, obs, rng)
+    return out.replace(prev_logprobs=out.prev_logprobs[:, :-1])
+
+
 def test_decoupled_runner_boundary_observations():
     log = {}
     collector = make_collector(collect_transitions=True)

@@ -288,6 +288,8 @@ class AsyncRunner:
         self._layout = collector.layout
         self._obs_check = ObservationCheck(collector)  # once per observation signature
         self._stamp = self._layout.policy.output.versions is not None
+        like = self._layout.policy.output.actions  # a chunk's actions: [B, K, ...] and dtype
+        self._actions_like = (tuple(like.shape[self._layout.lead + 1 :]), np.dtype(like.dtype))
         # Per env: (observation, last chunk's transition) where the last run left it.
         self._carry: list[tuple[PyTree, Any] | None] = [None] * len(self.envs)
         self._rng_steps = StepRngs(self.plan, seed, self.env_ranks, stage_id)
@@ -749,12 +751,24 @@ class AsyncRunner:
         ctx["key"] = batch[0][1]
         obs, rng = join_rows([o for _, _, o in batch], [self._rng(k) for _, k, _ in batch],
                              self._slots)
-        output = stamp_versions(self.policy_fn(params, obs, rng), version, self._stamp)
+        output = self.policy_fn(params, obs, rng)
+        # The actions go out first (the envs step while the rest of the output is made
+        # into policy halves), where they are what the layout holds; else the halves are
+        # checked first (the check names what is wrong before any env executes them).
+        actions = np.asarray(output.actions)
+        like = (self._slots * bsz, *self._actions_like[0])
+        sent = actions.shape == like and actions.dtype == self._actions_like[1]
+        if sent:
+            for j, (i, key, _) in enumerate(batch):
+                ctx["key"] = key
+                self._reply(i, key, actions[j * bsz : (j + 1) * bsz])
+        output = stamp_versions(output, version, self._stamp)
         for (i, key, o), own in zip(batch, split_rows(output, len(batch), bsz)):
             ctx["key"] = key
             part = PolicyPart(TrajectorySource(key, bsz, 0), o, own)
-            self._check(part, key)  # before the env executes bad actions
-            self._reply(i, key, own.actions)
+            self._check(part, key)
+            if not sent:
+                self._reply(i, key, own.actions)
             self._emit("policy_worker", part, rand)
         self.calls += 1
 
