@@ -344,6 +344,30 @@ def test_environment_exception_names_worker_and_key(ray_instance, transport):
     assert "simulator crashed" in str(info.value) and runner.restarts == 0
 
 
+def _short_logprobs(params, obs, rng):
+    out = policy_fn(params, obs, rng)
+    return out.replace(prev_logprobs=out.prev_logprobs[:, :-1])
+
+
+@pytest.mark.parametrize("transport", ["ray", "direct"])
+def test_a_bad_policy_output_beside_good_actions_names_the_field(ray_instance, transport):
+    """The actions go to the actors before the rest of the output is checked (they are
+    what the layout holds): a bad log-probability is still refused naming the field, and
+    no policy half gets in."""
+    from jaxtraj.runners.ray import RayRunner
+
+    collector = make_collector()
+    runner = RayRunner(collector, PointEnv, _short_logprobs, PARAMS, seed=SEED, num_steps=1,
+                       transport=transport)
+    with pytest.raises(RunnerError) as info:
+        runner.run()
+    assert info.value.worker == "policy_worker" and info.value.key[4] == 0
+    assert "prev_logprobs" in str(info.value)
+    assert all(w.actor is None for w in runner._ranks)
+    assert {k for k, half, _ in collector.missing() if half == "policy"} == {
+        (0, e, r, 0, t) for e in range(E) for r in range(RANKS) for t in range(T)}
+
+
 class _UnsendableEnv(PointEnv):
     def reset(self):
         super().reset()

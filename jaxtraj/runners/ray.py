@@ -557,6 +557,8 @@ class RayRunner:
         self._params_ref: tuple[int, Any] | None = None  # (version, object ref)
         self._lock = threading.Lock()
         self._stamp = collector.layout.policy.output.versions is not None
+        like = collector.layout.policy.output.actions  # a chunk's actions: [B, K, ...], dtype
+        self._actions_like = (tuple(like.shape[collector.layout.lead + 1 :]), np.dtype(like.dtype))
         self._obs_check = ObservationCheck(collector)
         self._ranks = [_Rank(i, r) for i, r in enumerate(self.env_ranks)]
         self._consumer = Consumer(collector, on_flush, output_queue)
@@ -839,21 +841,40 @@ class RayRunner:
         try:
             obs, rng = join_rows([w.obs for w in batch], [self._rngs(k) for k in keys],
                                  self._slots)
-            output = stamp_versions(self.policy_fn(params, obs, rng), version, self._stamp)
+            output = self.policy_fn(params, obs, rng)
+            actions = np.asarray(output.actions)
+        except Exception as exc:
+            raise RunnerError("policy_worker", keys[0].as_tuple(), exc, self.delivered) from exc
+        # The actions go out first (the actors step while the rest of the output is made
+        # into policy halves), where they are what the layout holds; else the halves are
+        # checked first, so that a wrong action chunk never reaches an env.
+        like = self._actions_like
+        early = actions.shape == (self._slots * bsz, *like[0]) and actions.dtype == like[1]
+        if early:
+            for j, (w, key) in enumerate(zip(batch, keys)):
+                self._step(w, key, actions[j * bsz : (j + 1) * bsz])
+        try:
+            output = stamp_versions(output, version, self._stamp)
             parts = []
             for w, key, own in zip(batch, keys, split_rows(output, len(batch), bsz)):
                 part = PolicyPart(TrajectorySource(key, bsz, 0), w.obs, own)
-                self.collector.check_structure(part)  # before the env executes bad actions
+                self.collector.check_structure(part)
                 parts.append(part)
         except Exception as exc:
             raise RunnerError("policy_worker", keys[0].as_tuple(), exc, self.delivered) from exc
         self.calls += 1
-        for w, key, part in zip(batch, keys, parts):  # the actors step while we insert
-            w.actions = part.output.actions
-            self._call(w, "step", (key.as_tuple(), w.actions), key)
-            self._due.started(w.index, time.monotonic())
+        if not early:
+            for w, key, part in zip(batch, keys, parts):  # the actors step while we insert
+                self._step(w, key, part.output.actions)
         for part in parts:
             self._consumer.consume("policy_worker", part)
+
+    def _step(self, w: _Rank, key: TrajectoryKey, actions: Any) -> None:
+        """Rank ``w``'s actor executes chunk ``key``'s ``actions`` (kept for a restart's
+        replay)."""
+        w.actions = actions
+        self._call(w, "step", (key.as_tuple(), actions), key)
+        self._due.started(w.index, time.monotonic())
 
     def _receive(self, w: _Rank, result: Any) -> None:
         """Handle the result of rank ``w``'s oldest request (a :class:`_Failure` if it
