@@ -12,8 +12,9 @@ Threads and queues::
 
 With ``env_workers="process"`` there are no worker threads: the thread that calls
 :meth:`AsyncRunner.run` waits on every env process's pipe, serves the ready ranks in one
-``policy_fn`` call, sends each its actions, and inserts the round's halves while the
-processes step (one thread: no hand-offs, no turns at the GIL).
+``policy_fn`` call, sends each its actions, and inserts the halves while the processes
+step (one thread: no hand-offs, no turns at the GIL). A result in comes first: the inserts
+are done a piece at a time, the pipes looked at between pieces.
 
 The consumer is the thread that calls :meth:`AsyncRunner.run`: it is the only thread
 that touches the collector (the facade is not thread-safe). Parts reach it out of
@@ -175,10 +176,11 @@ class AsyncRunner:
         time waiting for the GIL counts as waiting, so several thread ranks of such envs
         may read as waiting: they belong in processes (``env_workers="process"``), or
         give a number. Measured on 2 cores (``benchmarks/host_env.py``, ratio to a hand
-        loop, three runs of 2026-12-05): gymnasium Hopper with 2 process ranks 1.33x,
-        1.27x and 1.19x with ``"auto"``, against 1.13x, 1.29x and 1.14x with 0 and
-        1.32x, 1.22x and 1.10x with 5 ms (the machine's noise is of that order); a 1 ms
-        latency-bound env 1.79x, 1.72x and 1.72x (``"auto"`` chose 0). A performance
+        loop, four runs of 2026-12-05): gymnasium Hopper with 2 process ranks 1.33x,
+        1.27x, 1.19x and 1.28x with ``"auto"``, against 1.13x, 1.29x, 1.14x and 1.19x
+        with 0 and 1.32x, 1.22x, 1.10x and 1.28x with 5 ms (the machine's noise is of
+        that order); a 1 ms latency-bound env 1.79x, 1.72x, 1.72x and 1.78x (``"auto"``
+        chose 0). A performance
         knob only: the trajectories do not depend on it.
       env_workers: where factories build and step their envs: ``"thread"`` (a thread
         of the env's own, :class:`~jaxtraj.runners.bound.ThreadBoundEnv`) or
@@ -808,9 +810,11 @@ class AsyncRunner:
         process (whichever is in first), serves the ranks whose observation is ready in
         one ``policy_fn`` call (:attr:`max_batch`, :attr:`batch_wait_s`), sending each its
         actions, then completes and checks the env halves as the env workers and the
-        policy worker would, and inserts the round's halves while the env processes
-        step. The same requests, keys and rows as the threads' (pipelined too), so the
-        same trajectories."""
+        policy worker would, and inserts the halves while the env processes step: one
+        piece at a time (an env half made, or one half inserted), the pipes looked at
+        between pieces, so that a rank whose result is in waits at most a piece. The same
+        requests, keys and rows as the threads' (pipelined too), so the same
+        trajectories."""
         try:
             self._serve_processes(ctx)
         finally:
