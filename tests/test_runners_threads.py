@@ -321,26 +321,43 @@ def test_wrong_policy_chunk_size_names_policy_worker():
 @pytest.mark.parametrize("workers", ["thread", "process"])
 def test_a_bad_policy_output_beside_good_actions_names_the_field(workers):
     """The actions go out before the rest of the output is checked (where they are what
-    the layout holds): a bad log-probability is still refused, naming the field, and no
-    policy half of it gets in."""
-    collector = make_collector()
-    envs = [PointEnv(0), PointEnv(1)]
-    if workers == "process":
-        envs = [functools.partial(PointEnv, r) for r in range(RANKS)]
-    runner = AsyncRunner(collector, envs, _short_logprobs, PARAMS, env_workers=workers)
-    with runner, pytest.raises(RunnerError) as info:
-        runner.run()
-    assert info.value.worker == "policy_worker" and info.value.key[4] == 0
-    assert "prev_logprobs" in str(info.value)
-    assert "STRUCTURE_MISMATCH" in repr(info.value.cause.code)
-    assert runner_threads() == []
-    assert {k for k, half, _ in collector.missing() if half == "policy"} == {
-        (0, e, r, 0, t) for e in range(E) for r in range(RANKS) for t in range(T)}
+    the layout holds: rows, shape, dtype): a bad log-probability is still refused, naming
+    the field, and no policy half of it gets in; actions of another dtype are refused
+    before any env gets them."""
+    for bad, field, sent in ((_short_logprobs, "prev_logprobs", True),
+                             (_float64_actions, "actions", False)):
+        collector = make_collector()
+        envs = [PointEnv(0), PointEnv(1)]
+        if workers == "process":
+            envs = [functools.partial(PointEnv, r) for r in range(RANKS)]
+        runner = AsyncRunner(collector, envs, bad, PARAMS, env_workers=workers)
+        replied, reply = [], runner._reply
+        runner._reply = lambda i, key, actions: (replied.append(key.as_tuple()),
+                                                  reply(i, key, actions))
+        with runner, pytest.raises(RunnerError) as info:
+            runner.run()
+        assert info.value.worker == "policy_worker" and info.value.key[4] == 0
+        assert field in str(info.value)
+        assert "STRUCTURE_MISMATCH" in repr(info.value.cause.code)
+        assert runner_threads() == []
+        assert {k for k, half, _ in collector.missing() if half == "policy"} == {
+            (0, e, r, 0, t) for e in range(E) for r in range(RANKS) for t in range(T)}
+        # The refused call's actions went out before the refusal, or (another dtype) never.
+        if sent:
+            assert info.value.key in replied
+            assert set(replied) <= {(0, 0, r, 0, 0) for r in range(RANKS)}
+        else:
+            assert replied == []
 
 
 def _short_logprobs(params, obs, rng):
     out = policy_fn(params, obs, rng)
     return out.replace(prev_logprobs=out.prev_logprobs[:, :-1])
+
+
+def _float64_actions(params, obs, rng):
+    out = policy_fn(params, obs, rng)
+    return out.replace(actions=np.asarray(out.actions, np.float64))
 
 
 def test_decoupled_runner_boundary_observations():
@@ -542,10 +559,12 @@ def test_auto_wait_batches_computing_envs_and_not_waiting_ones_wherever_they_ste
                 assert_same(got[k], ref[k])
 
 
+@pytest.mark.parametrize("workers", ["thread", "process"])
 @pytest.mark.parametrize("cls", [AsyncRunner, DecoupledRunner])
-def test_max_batch_one_is_one_call_per_rank_and_chunk(cls):
+def test_max_batch_one_is_one_call_per_rank_and_chunk(cls, workers):
     steps = 1
-    got, calls, rows = run_steps(cls, steps, max_batch=1, env_delay_s=0.002)
+    got, calls, rows = run_steps(cls, steps, max_batch=1, env_delay_s=0.002,
+                                 env_workers=workers)
     assert calls == RANKS * E * T and set(rows) == {B}
     if cls is AsyncRunner:  # the per-rank loop's numerics (B rows a call)
         ref = sync_reference(steps, ranks_per_call=1)
@@ -890,34 +909,34 @@ def test_process_workers_bad_factories_and_crashes_name_the_rank():
 
 
 def test_process_workers_failure_keeps_every_chunk_received():
-    """A rank failing mid-run over env processes: every chunk whose result came in is in
-    the collector (the env halves still to be made, off the path to the actions, are made
-    for the drain); the step already delivered is the reference's."""
-    delivered = []
+    """A failure mid-run over env processes: every chunk whose result came in is in the
+    collector. The policy fails on its second call, chunk 1's, served as soon as a rank's
+    chunk 0 is back (no batch wait), before that chunk's env half is made (work off the
+    path to the actions): it is made for the drain. The error names the chunk that
+    failed."""
+    calls = []
+
+    def second_call_fails(params, obs, rng):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("policy crashed")
+        return policy_fn(params, obs, rng)
+
     collector = make_collector()
-    fail = (1, 0, 1, 0, 1)  # step 1, epoch 0, rank 1, chunk 1
-    runner = AsyncRunner(
-        collector,
-        [functools.partial(PointEnv, 0), functools.partial(PointEnv, 1, fail_at=fail)],
-        policy_fn, PARAMS, num_steps=3, env_workers="process",
-        on_flush=lambda q, tr: delivered.append(tr),
-    )
-    with runner, pytest.raises(RunnerError, match="simulator crashed") as info:
+    # No wait for the other rank: a rank's chunk 1 is served as soon as its chunk 0 is in.
+    runner = AsyncRunner(collector, [functools.partial(PointEnv, r) for r in range(RANKS)],
+                         second_call_fails, PARAMS, env_workers="process", batch_wait_s=0.0)
+    with runner, pytest.raises(RunnerError, match="policy crashed") as info:
         runner.run()
     err = info.value
-    assert err.worker == "env_worker_1" and err.key == fail
-    got = {(int(tr.step_id), int(tr.env_rank)): tr for tr in delivered}
-    assert (0, 1) in got and err.delivered == len(delivered)
-    assert_same(got[(0, 1)], sync_reference(1)[(0, 1)])
-    assert collector.current_step(1) == 1
+    assert err.worker == "policy_worker" and err.key[:2] == (0, 0) and err.key[4] == 1
     missing = collector.missing()
-    rank1 = {(k, half) for k, half, _ in missing if k[2] == 1}
-    assert ((1, 0, 1, 0, 0), "env") not in rank1  # received just before the failure: kept
-    assert (fail, "env") in rank1
+    # The rank whose chunk 1 was being served: both halves of its chunk 0 are in.
+    assert not [h for k, h, _ in missing if k == (0, 0, err.key[2], 0, 0)]
     # Each rank's chunks are collected in order with no hole: what a rank still misses of
-    # its current step, of either half, is the end of the step's chunks.
+    # the step, of either half, is the end of the step's chunks.
     order = [(e, t) for e in range(E) for t in range(T)]
-    for rank in (0, 1):
+    for rank in range(RANKS):
         for half in ("policy", "env"):
             left = sorted((k[1], k[4]) for k, h, _ in missing if k[2] == rank and h == half)
             assert left == order[len(order) - len(left):], (rank, half, left)

@@ -846,8 +846,10 @@ class RayRunner:
         except Exception as exc:
             raise RunnerError("policy_worker", keys[0].as_tuple(), exc, self.delivered) from exc
         # The actions go out first (the actors step while the rest of the output is made
-        # into policy halves), where they are what the layout holds; else the halves are
-        # checked first, so that a wrong action chunk never reaches an env.
+        # into policy halves), where they are what the layout holds (rows, shape, dtype:
+        # all the check asks of them); else the halves are checked first, so that a wrong
+        # action chunk never reaches an env. A half refused for another field then stops
+        # the run with its chunk stepped.
         like = self._actions_like
         early = actions.shape == (self._slots * bsz, *like[0]) and actions.dtype == like[1]
         if early:

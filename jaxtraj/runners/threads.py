@@ -568,7 +568,7 @@ class AsyncRunner:
         """Publish the policy worker's halves of this round as one item (after the
         round's replies: the env workers step before the consumer inserts); with
         ``env_workers="process"``, insert them (the env processes step meanwhile)."""
-        if self._outbox and self.env_workers == "process":  # the calling thread inserts
+        if self.env_workers == "process":  # the calling thread inserts
             self._batch.extend(self._outbox)
             self._outbox = []
             while self._batch:  # left for the drain if the collector rejects one
@@ -755,8 +755,11 @@ class AsyncRunner:
                              self._slots)
         output = self.policy_fn(params, obs, rng)
         # The actions go out first (the envs step while the rest of the output is made
-        # into policy halves), where they are what the layout holds; else the halves are
-        # checked first (the check names what is wrong before any env executes them).
+        # into policy halves), where they are what the layout holds (rows, shape, dtype:
+        # all the check asks of them); else the halves are checked first (the check names
+        # what is wrong before any env executes them). A half refused for another field
+        # then stops the run with its chunk stepped: the env halves are collected, the
+        # policy halves not.
         actions = np.asarray(output.actions)
         like = (self._slots * bsz, *self._actions_like[0])
         sent = actions.shape == like and actions.dtype == self._actions_like[1]
@@ -812,8 +815,9 @@ class AsyncRunner:
         actions, then completes and checks the env halves as the env workers and the
         policy worker would, and inserts the halves while the env processes step: one
         piece at a time (an env half made, or one half inserted), the pipes looked at
-        between pieces, so that a rank whose result is in waits at most a piece. The same
-        requests, keys and rows as the threads' (pipelined too), so the same
+        between pieces, so that a rank whose result is in waits at most a piece while
+        the work behind is under its bound (past it the work is caught up first). The
+        same requests, keys and rows as the threads' (pipelined too), so the same
         trajectories."""
         try:
             self._serve_processes(ctx)
@@ -868,7 +872,8 @@ class AsyncRunner:
         def piece() -> None:
             """One piece of that work (an env half made, or one half inserted): between
             pieces the pipes are looked at again, so a rank whose result is in is served
-            first and waits at most a piece, not a round's inserts."""
+            first and (the work behind under its bound) waits at most a piece, not a
+            round's inserts."""
             if halves:
                 env_half()
                 return
@@ -878,8 +883,9 @@ class AsyncRunner:
             if self._batch:  # popped first: the rest is left for the drain if one is rejected
                 self._consumer.consume(*self._batch.popleft())
 
-        # Never more than a few rounds' work behind (a learner short of CPU catches up
-        # before it serves again).
+        # The work behind is bounded: past 8 pieces a rank (about 3 a chunk: its env
+        # half to make, both halves to insert), a learner short of CPU catches up before
+        # it serves again.
         most_behind = 8 * n_env
 
         def serve() -> None:
@@ -899,8 +905,9 @@ class AsyncRunner:
                               and (held[i] if self.pipelined else stepping[i]) is not None
                               and expect.by(i, deadline)]
                     if len(ready) >= self._slots or not coming or now >= deadline:
-                        batch = sorted(ready, key=lambda r: r[0])
-                        ready.clear()
+                        # The first to ask, up to the call's slots (the rest: the next call).
+                        batch = sorted(ready[: self._slots], key=lambda r: r[0])
+                        del ready[: self._slots]
                         deadline = None
                         self._serve(batch, rand, ctx)
                         continue
@@ -940,12 +947,14 @@ class AsyncRunner:
         except BaseException:
             # The chunks already received are collected: their env halves are made for
             # the drain to insert (up to the first that cannot be; that failure is not
-            # the one reported).
+            # the one reported, nor the key it was at).
+            failed_at = ctx["key"]
             try:
                 while halves:
                     env_half()
             except Exception:  # noqa: BLE001
                 pass
+            ctx["key"] = failed_at
             raise
         while halves:
             env_half()
