@@ -100,12 +100,14 @@ from jaxtraj.runners.service import (
     StepRngs,
     ValueFn,
     _Due,
+    action_spec,
     checked_batch_wait,
     chunk_keys,
     complete_env_part,
     env_part,
     join_rows,
     rank_order,
+    sendable_actions,
     split_rows,
     stamp_versions,
 )
@@ -557,8 +559,7 @@ class RayRunner:
         self._params_ref: tuple[int, Any] | None = None  # (version, object ref)
         self._lock = threading.Lock()
         self._stamp = collector.layout.policy.output.versions is not None
-        like = collector.layout.policy.output.actions  # a chunk's actions: [B, K, ...], dtype
-        self._actions_like = (tuple(like.shape[collector.layout.lead + 1 :]), np.dtype(like.dtype))
+        self._action_spec = action_spec(collector.layout)
         self._obs_check = ObservationCheck(collector)
         self._ranks = [_Rank(i, r) for i, r in enumerate(self.env_ranks)]
         self._consumer = Consumer(collector, on_flush, output_queue)
@@ -842,17 +843,11 @@ class RayRunner:
             obs, rng = join_rows([w.obs for w in batch], [self._rngs(k) for k in keys],
                                  self._slots)
             output = self.policy_fn(params, obs, rng)
-            actions = np.asarray(output.actions)
+            # The actors step while the rest of the output is made into policy halves.
+            actions = sendable_actions(output, self._action_spec, self._slots)
         except Exception as exc:
             raise RunnerError("policy_worker", keys[0].as_tuple(), exc, self.delivered) from exc
-        # The actions go out first (the actors step while the rest of the output is made
-        # into policy halves), where they are what the layout holds (rows, shape, dtype:
-        # all the check asks of them); else the halves are checked first, so that a wrong
-        # action chunk never reaches an env. A half refused for another field then stops
-        # the run with its chunk stepped.
-        like = self._actions_like
-        early = actions.shape == (self._slots * bsz, *like[0]) and actions.dtype == like[1]
-        if early:
+        if actions is not None:
             for j, (w, key) in enumerate(zip(batch, keys)):
                 self._step(w, key, actions[j * bsz : (j + 1) * bsz])
         try:
@@ -865,7 +860,7 @@ class RayRunner:
         except Exception as exc:
             raise RunnerError("policy_worker", keys[0].as_tuple(), exc, self.delivered) from exc
         self.calls += 1
-        if not early:
+        if actions is None:  # checked first
             for w, key, part in zip(batch, keys, parts):  # the actors step while we insert
                 self._step(w, key, part.output.actions)
         for part in parts:

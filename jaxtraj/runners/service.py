@@ -436,6 +436,27 @@ def policy_example_spec(collector: TrajectoryCollector) -> PolicyPart:
     )
 
 
+def action_spec(layout: Any) -> tuple[tuple[int, ...], np.dtype]:
+    """One chunk's actions as the collector's layout holds them: ``(shape, dtype)``, the
+    shape ``[B, K, ...]``."""
+    like = layout.policy.output.actions
+    return tuple(like.shape[layout.lead :]), np.dtype(like.dtype)
+
+
+def sendable_actions(output: PolicyOutput, spec: tuple, chunks: int) -> np.ndarray | None:
+    """A joined call's actions as one host array, where they are what the layout holds
+    for ``chunks`` chunks (rows, shape, dtype: all the structure check asks of them), so
+    that they can go to the envs before the rest of the output is made into checked
+    policy halves; else ``None``: the halves are checked first, and a wrong action chunk
+    never reaches an env. (A half refused for another field then stops the run with its
+    chunk stepped: its env half is collected, its policy half not.)"""
+    actions = np.asarray(output.actions)
+    shape, dtype = spec
+    if actions.shape == (chunks * shape[0], *shape[1:]) and actions.dtype == dtype:
+        return actions
+    return None
+
+
 def stamp_versions(output: PolicyOutput, version: int, stamp: bool = True) -> PolicyOutput:
     """``output`` as host arrays, ``versions`` set to ``version`` on every row (when the
     plan keeps versions: ``stamp``)."""

@@ -71,6 +71,7 @@ from jaxtraj.runners.service import (  # noqa: F401  (re-exported: the public na
     StepRngs,
     ValueFn,
     _Due,
+    action_spec,
     check_env,
     check_seeds,
     checked_batch_wait,
@@ -82,6 +83,7 @@ from jaxtraj.runners.service import (  # noqa: F401  (re-exported: the public na
     key_rngs,
     rank_order,
     row_rngs,
+    sendable_actions,
     split_rows,
     stack_ranks,
     stamp_versions,
@@ -290,8 +292,7 @@ class AsyncRunner:
         self._layout = collector.layout
         self._obs_check = ObservationCheck(collector)  # once per observation signature
         self._stamp = self._layout.policy.output.versions is not None
-        like = self._layout.policy.output.actions  # a chunk's actions: [B, K, ...] and dtype
-        self._actions_like = (tuple(like.shape[self._layout.lead + 1 :]), np.dtype(like.dtype))
+        self._action_spec = action_spec(self._layout)
         # Per env: (observation, last chunk's transition) where the last run left it.
         self._carry: list[tuple[PyTree, Any] | None] = [None] * len(self.envs)
         self._rng_steps = StepRngs(self.plan, seed, self.env_ranks, stage_id)
@@ -754,16 +755,9 @@ class AsyncRunner:
         obs, rng = join_rows([o for _, _, o in batch], [self._rng(k) for _, k, _ in batch],
                              self._slots)
         output = self.policy_fn(params, obs, rng)
-        # The actions go out first (the envs step while the rest of the output is made
-        # into policy halves), where they are what the layout holds (rows, shape, dtype:
-        # all the check asks of them); else the halves are checked first (the check names
-        # what is wrong before any env executes them). A half refused for another field
-        # then stops the run with its chunk stepped: the env halves are collected, the
-        # policy halves not.
-        actions = np.asarray(output.actions)
-        like = (self._slots * bsz, *self._actions_like[0])
-        sent = actions.shape == like and actions.dtype == self._actions_like[1]
-        if sent:
+        # The envs step while the rest of the output is made into policy halves.
+        actions = sendable_actions(output, self._action_spec, self._slots)
+        if actions is not None:
             for j, (i, key, _) in enumerate(batch):
                 ctx["key"] = key
                 self._reply(i, key, actions[j * bsz : (j + 1) * bsz])
@@ -772,7 +766,7 @@ class AsyncRunner:
             ctx["key"] = key
             part = PolicyPart(TrajectorySource(key, bsz, 0), o, own)
             self._check(part, key)
-            if not sent:
+            if actions is None:  # checked first
                 self._reply(i, key, own.actions)
             self._emit("policy_worker", part, rand)
         self.calls += 1
