@@ -17,12 +17,14 @@ inference, and with each other, in processes.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import multiprocessing
 import os
 import pickle
 import queue
 import signal
+import struct
 import threading
 import time
 import traceback
@@ -32,6 +34,9 @@ from typing import Any
 
 import jax
 import numpy as np
+
+from jaxtraj.runners.service import EnvStep
+from jaxtraj.types import TrajectoryKey
 
 _STOP = object()
 
@@ -169,6 +174,122 @@ def _dumps(obj: Any) -> bytes:
     return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
 
 
+# -- the wire -------------------------------------------------------------------------
+#
+# A call and its reply cross the pipe pickled. A chunk's step, the hot path (a round trip
+# a chunk), crosses compact where it holds numeric arrays only: the request as its key's
+# ints, the actions' dtype and shape, then their bytes (``_STEP``); the reply as the bytes
+# of its EnvStep's arrays (``_RAW``), once one pickled EnvStep of the same structure,
+# dtypes and shapes (``_TEMPLATE``) has told the parent how to read them. Unpickling an
+# array costs ~10 us, reading one from bytes ~2. A pickled message starts with pickle's
+# PROTO opcode (``b"\x80"``), never with one of these tags.
+_STEP, _TEMPLATE, _RAW = b"S", b"T", b"R"
+_NUMERIC = frozenset("biufc")  # dtype kinds that cross as bytes
+_FIELDS = tuple(f.name for f in dataclasses.fields(EnvStep))
+_ALIGN = 16  # each array's bytes start at a multiple of it (after a 16-byte head)
+
+
+def _layout(leaves: list) -> tuple | None:
+    """``(dtype, shape, first)`` per leaf, ``first`` the index of the earliest leaf that
+    is the same array (its bytes cross once, and it arrives as one array, as pickled);
+    ``None`` where a leaf is not a numeric numpy array."""
+    seen: dict[int, int] = {}
+    out = []
+    for j, leaf in enumerate(leaves):
+        if type(leaf) is not np.ndarray or leaf.dtype.kind not in _NUMERIC:
+            return None
+        out.append((leaf.dtype.str, leaf.shape, seen.setdefault(id(leaf), j)))
+    return tuple(out)
+
+
+def _step_request(method: str, args: tuple, kwargs: dict) -> bytes | None:
+    """``step(key, actions)`` as a ``_STEP`` message, where the actions are a numeric
+    numpy array; else ``None`` (pickled)."""
+    if method != "step" or kwargs or len(args) != 2:
+        return None
+    key, actions = args
+    if type(key) is not TrajectoryKey or type(actions) is not np.ndarray:
+        return None
+    if actions.dtype.kind not in _NUMERIC:
+        return None
+    head = _dumps((key.as_tuple(), actions.dtype.str, actions.shape))
+    return b"".join((_STEP, struct.pack("<H", len(head)), head, actions.tobytes()))
+
+
+def _request(message: bytes) -> tuple[Any, tuple, dict]:
+    """``(method, args, kwargs)`` of a request (in the env's process)."""
+    if message[:1] != _STEP:
+        return pickle.loads(message)
+    (n,) = struct.unpack_from("<H", message, 1)
+    fields, dtype, shape = pickle.loads(message[3 : 3 + n])
+    # A copy: arrays of their own, writable (the message's bytes are not).
+    actions = np.frombuffer(message, dtype, offset=3 + n).reshape(shape).copy()
+    return "step", (TrajectoryKey(*fields), actions), {}
+
+
+class _StepReplies:
+    """The env's process's side of a step's reply: ``_RAW`` where the parent has the
+    template of its structure, dtypes and shapes (and which arrays are the same: the
+    final observation is the observation but where an episode ended); ``_TEMPLATE``
+    (pickled, numbered) where it has not; ``None`` (pickled as any reply) where it is not
+    an EnvStep of numeric arrays."""
+
+    most = 32  # templates kept (both sides): past it the numbering starts again
+
+    def __init__(self) -> None:
+        self.sent: dict[tuple, int] = {}  # (treedef, layout) -> its template's number
+
+    def __call__(self, value: Any, share: float | None) -> bytes | None:
+        if type(value) is not EnvStep:
+            return None
+        leaves, treedef = jax.tree.flatten(tuple(getattr(value, f) for f in _FIELDS))
+        layout = _layout(leaves)
+        if layout is None:
+            return None
+        number = self.sent.get((treedef, layout))
+        if number is None:
+            if len(self.sent) == self.most:
+                self.sent.clear()  # the parent's are overwritten as they are sent again
+            number = len(self.sent)
+            try:
+                message = _TEMPLATE + bytes((number,)) + _dumps((True, value, share))
+            except Exception:  # noqa: BLE001 (a node that does not pickle: said as any reply)
+                return None
+            self.sent[(treedef, layout)] = number
+            return message
+        # 16 bytes: the tag, the template's number, 6 bytes of padding, the CPU share
+        parts = [struct.pack("<cB6xd", _RAW, number, float("nan") if share is None else share)]
+        for j, leaf in enumerate(leaves):
+            if layout[j][2] == j:
+                data = leaf.tobytes()
+                parts += (data, bytes(-len(data) % _ALIGN))
+        return b"".join(parts)
+
+
+class _StepReader:
+    """The parent's side: how to read a ``_RAW`` reply of one template."""
+
+    def __init__(self, template: EnvStep):
+        leaves, self.treedef = jax.tree.flatten(tuple(getattr(template, f) for f in _FIELDS))
+        self.leaves = []  # (dtype, shape, first, offset, count)
+        offset = 16
+        for j, (dtype, shape, first) in enumerate(_layout(leaves)):
+            count = int(np.prod(shape, dtype=np.int64))
+            self.leaves.append((np.dtype(dtype), shape, first, offset, count))
+            if first == j:
+                size = count * np.dtype(dtype).itemsize
+                offset += size + (-size % _ALIGN)
+
+    def __call__(self, buf: bytearray) -> EnvStep:
+        leaves: list = []
+        for j, (dtype, shape, first, offset, count) in enumerate(self.leaves):
+            if first != j:
+                leaves.append(leaves[first])
+            else:
+                leaves.append(np.frombuffer(buf, dtype, count, offset).reshape(shape))
+        return EnvStep(*jax.tree.unflatten(self.treedef, leaves))
+
+
 class CpuMeter:
     """The share of a call's time on CPU, measured in the thread that makes the call:
     ``cpu_clock`` (``time.thread_time``: this thread's; ``time.process_time``: every
@@ -262,9 +383,10 @@ def _env_process(conn: Any, payload: bytes, name: str) -> None:
         return
     reply(True, None)
     meter = CpuMeter(time.process_time)  # every thread of the env's process (EnvPool's)
+    compact = _StepReplies()
     while True:
         try:
-            method, args, kwargs = pickle.loads(conn.recv_bytes())
+            method, args, kwargs = _request(conn.recv_bytes())
         except EOFError:  # the parent has gone
             return
         if method is None:  # stop: close the env, say so, and exit without teardown
@@ -293,7 +415,12 @@ def _env_process(conn: Any, payload: bytes, name: str) -> None:
         except BaseException as exc:  # noqa: BLE001 (raised in the parent)
             reply(False, _portable(exc, traceback.format_exc()))
             continue
-        reply(True, value, meter.share())
+        share = meter.share()
+        message = compact(value, share) if method == "step" else None
+        if message is None:
+            reply(True, value, share)
+        else:
+            conn.send_bytes(message)
 
 
 class _Callable:
@@ -302,13 +429,16 @@ class _Callable:
 
 class ProcessBoundEnv(_Bound):
     """An environment built by ``factory()`` in a process of its own; every method call
-    is executed there, its arguments and result pickled across a pipe.
+    is executed there, its arguments and result pickled across a pipe (a chunk's step,
+    where it holds numeric arrays, as their bytes: see ``_step_request``).
 
     What a simulator whose step is Python holding the GIL (gymnasium's MuJoCo
     environments: about 40% of a Hopper step) needs to run in parallel with inference
     and with the other ranks: threads of one process take turns at the GIL. A call
     costs a pipe round trip and the pickling of its arguments and result (a chunk of
-    ``K`` steps is one call: the chunk's actions in, its :class:`EnvStep` out).
+    ``K`` steps is one call: the chunk's actions in, its :class:`EnvStep` out; those
+    cross as their arrays' bytes where they are numeric numpy arrays, about half the
+    pickling's cost).
 
     The process is started with ``multiprocessing``'s ``spawn`` method (forking a
     process that runs JAX's threads is unsafe): the factory must be picklable (a
@@ -353,6 +483,7 @@ class ProcessBoundEnv(_Bound):
         self._closed = False
         self._finalizer = weakref.finalize(self, _shutdown, self._conn, self._process)
         self._built = False
+        self._readers: dict[int, _StepReader] = {}  # how to read a step's compact result
         if wait:
             self.wait_built()
 
@@ -404,9 +535,17 @@ class ProcessBoundEnv(_Bound):
             raise RuntimeError(
                 f"{self.name}: the env's process ended (exit code {self._process.exitcode})"
             ) from None
-        ok, value, share = pickle.loads(data)
+        tag = data[:1]
+        if tag == _RAW:
+            buf = bytearray(data)  # the arrays' memory, writable (as unpickled arrays)
+            (share,) = struct.unpack_from("<d", buf, 8)
+            self.cpu_share = None if share != share else share
+            return self._readers[buf[1]](buf)
+        ok, value, share = pickle.loads(memoryview(data)[2:] if tag == _TEMPLATE else data)
         if not ok:
             raise value
+        if tag == _TEMPLATE:
+            self._readers[data[1]] = _StepReader(value)
         self.cpu_share = share
         return value
 
@@ -416,7 +555,9 @@ class ProcessBoundEnv(_Bound):
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"{self.name}: the env's process has ended (closed)")
-            message = _dumps((method, _host(args), _host(kwargs)))
+            message = _step_request(method, args, kwargs) or _dumps(
+                (method, _host(args), _host(kwargs))
+            )
             try:
                 self._conn.send_bytes(message)
             except (BrokenPipeError, OSError):
@@ -435,7 +576,10 @@ class ProcessBoundEnv(_Bound):
         if self._closed:
             raise RuntimeError(f"{self.name}: the env's process has ended (closed)")
         try:
-            self._conn.send_bytes(_dumps((method, _host(args), _host(kwargs))))
+            self._conn.send_bytes(
+                _step_request(method, args, kwargs)
+                or _dumps((method, _host(args), _host(kwargs)))
+            )
         except (BrokenPipeError, OSError):
             self._process.join(1.0)
             raise RuntimeError(
@@ -490,7 +634,10 @@ def _shutdown(conn: Any, process: Any, timeout_s: float = 5.0) -> BaseException 
         if process.is_alive():
             conn.send_bytes(_dumps((None, (), {})))
             while conn.poll(timeout_s):  # a step still in flight answers first
-                ok, value, _ = pickle.loads(conn.recv_bytes())
+                data = conn.recv_bytes()
+                if data[:1] in (_RAW, _TEMPLATE):  # a step's result, not the answer
+                    continue
+                ok, value, _ = pickle.loads(data)
                 if not ok:
                     return value
     except (EOFError, OSError):

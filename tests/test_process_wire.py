@@ -1,0 +1,144 @@
+"""The env process's wire: a chunk's step crosses as bytes, not pickles, where it holds
+numeric arrays only, and arrives as it left (checked against the same env stepped here)."""
+
+from __future__ import annotations
+
+import collections
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxtraj import EnvTransition, TrajectoryKey
+from jaxtraj.runners.bound import _FIELDS, ProcessBoundEnv
+from jaxtraj.runners.service import EnvStep
+
+Pair = collections.namedtuple("Pair", ["left", "right"])
+CASES = 8
+
+
+class WireEnv:
+    """A stand-in whose EnvStep changes with the chunk (the cases the wire must carry),
+    each a function of the key and the actions alone; the actions come back in ``info``."""
+
+    def reset(self):
+        return {"state": np.zeros((3, 2), np.float32)}
+
+    def step(self, key, actions):
+        c, n = key.chunk_id, key.step_id  # n: a step's rows, for shapes that change
+        rows = 3 if n == 0 else n
+        x = np.arange(rows * 2, dtype=np.float32).reshape(rows, 2) + c
+        obs = {"state": x, "b_image": np.full((rows, 2, 2, 3), c % 251, np.uint8)}
+        flags = (np.arange(rows * 4).reshape(rows, 4) + c) % 7 == 0
+        tr = EnvTransition(
+            rewards=actions.reshape(rows, 4, -1).sum(-1).astype(np.float32),
+            terminations=flags,
+            truncations=np.zeros((rows, 4), bool),
+        )
+        final_obs, info, action_obs = obs, {"echo": actions.copy()}, None  # obs aliased
+        case = c % CASES
+        if case == 1:  # an episode ended: a final observation of its own
+            final_obs = {k: v + 1 for k, v in obs.items()}
+        elif case == 2:  # other dtypes, a 0-d array
+            info.update(
+                f64=x.astype(np.float64) / 3,
+                i64=np.arange(rows, dtype=np.int64) - c,
+                scalar=np.array(c, np.int32),
+                none_left=None,
+            )
+        elif case == 3:  # views: transposed, Fortran-ordered
+            obs = {"state": np.asfortranarray(x), "b_image": obs["b_image"].transpose(0, 2, 1, 3)}
+            final_obs = {"state": x.T.copy().T, "b_image": obs["b_image"]}
+        elif case == 4:  # a Python float: pickled
+            info["python_float"] = float(c)
+        elif case == 5:  # an object array: pickled
+            info["names"] = np.array([f"env{i}" for i in range(rows)], dtype=object)
+        elif case == 6:  # a custom node, per-action observations
+            action_obs = Pair(np.repeat(x[:, None], 4, 1), np.ones((rows, 4), np.int16) * c)
+        elif case == 7:  # complex values, an empty array
+            info.update(z=x.astype(np.complex64) * 1j, empty=np.zeros((rows, 0), np.float32))
+        return EnvStep(
+            transition=tr, obs=obs, final_obs=final_obs, action_obs=action_obs, info=info
+        )
+
+
+def _check_same(got, want, where):
+    assert type(got) is EnvStep, where
+    fields = lambda s: tuple(getattr(s, f) for f in _FIELDS)  # noqa: E731
+    got_leaves, got_def = jax.tree.flatten(fields(got))
+    want_leaves, want_def = jax.tree.flatten(fields(want))
+    assert got_def == want_def, where
+    for g, w in zip(got_leaves, want_leaves):
+        assert type(g) is type(w), where
+        if isinstance(w, np.ndarray):
+            assert g.dtype == w.dtype and g.shape == w.shape, where
+            assert g.flags.writeable, where  # as an unpickled array
+            if w.dtype == object:
+                assert g.tolist() == w.tolist(), where
+            else:
+                assert g.tobytes() == np.ascontiguousarray(w).tobytes(), where
+        else:
+            assert g == w, where
+    # The same array twice is one array on arrival (as pickled): the final observation
+    # is the observation where no episode ended. (Its dict may be a new one.)
+    assert (got.final_obs["state"] is got.obs["state"]) == (
+        want.final_obs["state"] is want.obs["state"]
+    ), where
+
+
+def test_a_step_arrives_as_it_left_whatever_it_holds():
+    here, there = WireEnv(), ProcessBoundEnv(WireEnv, "env_worker_0")
+    try:
+        there.reset()
+        rng = np.random.default_rng(0)
+        # Every case twice at one shape (the second a template's repeat), 40 shapes (more
+        # templates than either side keeps), then the first shape's cases again.
+        keys = [(0, c) for c in range(2 * CASES)] + [(n, c) for n in range(1, 41) for c in (0, 1)]
+        keys += [(0, c) for c in range(CASES)]
+        for n, c in keys:
+            key = TrajectoryKey(n, 0, 0, 0, c)
+            rows = 3 if n == 0 else n
+            dtype = (np.float32, np.float64, np.int32)[c % 3]
+            actions = (rng.standard_normal((rows, 4, 2)) * 4).astype(dtype)
+            there.send("step", key, actions)
+            got = there.receive()
+            _check_same(got, here.step(key, actions.copy()), (n, c))
+            assert got.info["echo"].dtype == dtype and np.array_equal(got.info["echo"], actions)
+            assert there.cpu_share is None or 0.0 <= there.cpu_share <= 1.0
+        # Actions that are not numpy (a device array): pickled, as any call's arguments.
+        key, actions = TrajectoryKey(0, 0, 0, 0, 0), jnp.ones((3, 4, 2), jnp.float32)
+        got = there.call("step", key, actions)
+        _check_same(got, here.step(key, np.asarray(actions)), "jax actions")
+        # A step still in flight when the env is closed: its result is read past, not
+        # taken for close()'s answer.
+        there.send("step", key, np.ones((3, 4, 2), np.float32))
+    finally:
+        there.close()
+    assert not there._process.is_alive()
+
+
+def test_a_step_that_fails_is_raised_after_compact_ones():
+    env = ProcessBoundEnv(FailsAt, "env_worker_1")
+    try:
+        for c in range(3):
+            env.call("step", TrajectoryKey(0, 0, 0, 0, c), np.zeros((3, 4, 2), np.float32))
+        with pytest.raises(RuntimeError, match="simulator crashed") as info:
+            env.call("step", TrajectoryKey(0, 0, 0, 0, 3), np.zeros((3, 4, 2), np.float32))
+        assert "in the env's process" in "".join(info.value.__notes__)
+        # And the wire goes on: the next step's compact result is read as before.
+        got = env.call("step", TrajectoryKey(0, 0, 0, 0, 8), np.ones((3, 4, 2), np.float32))
+        _check_same(
+            got,
+            WireEnv().step(TrajectoryKey(0, 0, 0, 0, 8), np.ones((3, 4, 2), np.float32)),
+            "after the failure",
+        )
+    finally:
+        env.close()
+
+
+class FailsAt(WireEnv):
+    def step(self, key, actions):
+        if key.chunk_id == 3:
+            raise RuntimeError("simulator crashed")
+        return super().step(key, actions)
