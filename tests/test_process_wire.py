@@ -15,7 +15,8 @@ from jaxtraj.runners.bound import _FIELDS, ProcessBoundEnv
 from jaxtraj.runners.service import EnvStep
 
 Pair = collections.namedtuple("Pair", ["left", "right"])
-CASES = 8
+CASES = 12
+PICKLED = {4, 5, 11}  # the cases that cannot cross as bytes
 
 
 class WireEnv:
@@ -58,54 +59,101 @@ class WireEnv:
             action_obs = Pair(np.repeat(x[:, None], 4, 1), np.ones((rows, 4), np.int16) * c)
         elif case == 7:  # complex values, an empty array
             info.update(z=x.astype(np.complex64) * 1j, empty=np.zeros((rows, 0), np.float32))
+        elif case == 8:  # big-endian
+            info.update(be=x.astype(">f4"), bz=x.astype(">c16"))
+        elif case in (9, 10):  # keys equal but not the same: True, then 1
+            info["flag"] = {True if case == 9 else 1: x}
+        elif case == 11:  # keys JAX cannot sort: pickled (the process goes on)
+            info.update({1: x, "a": x})
         return EnvStep(
             transition=tr, obs=obs, final_obs=final_obs, action_obs=action_obs, info=info
         )
 
 
+def _same_leaf(g, w, where):
+    assert type(g) is type(w), where
+    if isinstance(w, dict):  # keys by type too (1 and True are one key to a tree's structure)
+        assert [type(k) for k in g] == [type(k) for k in w] and list(g) == list(w), where
+        for k in w:
+            _same_leaf(g[k], w[k], (where, k))
+    elif isinstance(w, np.ndarray):
+        assert g.dtype == w.dtype and g.shape == w.shape, where
+        assert g.flags.writeable, where  # the stand-in's arrays are
+        if w.dtype == object:
+            assert g.tolist() == w.tolist(), where
+        else:
+            assert g.tobytes() == np.ascontiguousarray(w).tobytes(), where
+    else:
+        assert g == w, where
+
+
 def _check_same(got, want, where):
     assert type(got) is EnvStep, where
-    fields = lambda s: tuple(getattr(s, f) for f in _FIELDS)  # noqa: E731
+    # info key by key (JAX cannot flatten every dict: keys of mixed types), each key's type
+    # too (1 and True are one key to JAX's tree structure, not to the env)
+    name = lambda k: f"{type(k).__name__} {k!r}"  # noqa: E731
+    got_info = {name(k): v for k, v in got.info.items()}
+    want_info = {name(k): v for k, v in want.info.items()}
+    assert sorted(got_info) == sorted(want_info), where
+    for k in want_info:
+        _same_leaf(got_info[k], want_info[k], (where, k))
+    fields = lambda s: tuple(getattr(s, f) for f in _FIELDS if f != "info")  # noqa: E731
     got_leaves, got_def = jax.tree.flatten(fields(got))
     want_leaves, want_def = jax.tree.flatten(fields(want))
     assert got_def == want_def, where
     for g, w in zip(got_leaves, want_leaves):
-        assert type(g) is type(w), where
-        if isinstance(w, np.ndarray):
-            assert g.dtype == w.dtype and g.shape == w.shape, where
-            assert g.flags.writeable, where  # as an unpickled array
-            if w.dtype == object:
-                assert g.tolist() == w.tolist(), where
-            else:
-                assert g.tobytes() == np.ascontiguousarray(w).tobytes(), where
-        else:
-            assert g == w, where
+        _same_leaf(g, w, where)
     # The same array twice is one array on arrival (as pickled): the final observation
     # is the observation where no episode ended. (Its dict may be a new one.)
     assert (got.final_obs["state"] is got.obs["state"]) == (
         want.final_obs["state"] is want.obs["state"]
     ), where
+    assert (got.info["echo"] is got.obs["state"]) == (want.info["echo"] is want.obs["state"])
+
+
+class _Tags:
+    """The parent's end of the pipe, recording each reply's first byte."""
+
+    def __init__(self, conn):
+        self.conn, self.tags = conn, []
+
+    def recv_bytes(self):
+        data = self.conn.recv_bytes()
+        self.tags.append(data[:1])
+        return data
+
+    def __getattr__(self, name):
+        return getattr(self.conn, name)
 
 
 def test_a_step_arrives_as_it_left_whatever_it_holds():
     here, there = WireEnv(), ProcessBoundEnv(WireEnv, "env_worker_0")
     try:
         there.reset()
+        there._conn = wire = _Tags(there._conn)
         rng = np.random.default_rng(0)
-        # Every case twice at one shape (the second a template's repeat), 40 shapes (more
-        # templates than either side keeps), then the first shape's cases again.
-        keys = [(0, c) for c in range(2 * CASES)] + [(n, c) for n in range(1, 41) for c in (0, 1)]
-        keys += [(0, c) for c in range(CASES)]
-        for n, c in keys:
+        dtypes = (np.float32, np.float64, np.int32, np.dtype(">f8"))
+        # Each case twice with one actions dtype (a template, then bytes read with it; the
+        # values differ), 40 shapes (more templates than either side keeps), then the
+        # first shape's cases again.
+        keys = [(0, c + r * CASES, dtypes[c % 4]) for c in range(CASES) for r in (0, 1)]
+        keys += [(n, c, np.float32) for n in range(1, 41) for c in (0, 1)]
+        keys += [(0, c + r * CASES, np.float32) for c in range(CASES) for r in (0, 1)]
+        keys += [(0, c, np.float32) for c in (9, 10, 9, 10)]  # True, 1, True, 1
+        seen = collections.defaultdict(set)  # case -> the tags its replies came with
+        for n, c, dtype in keys:
             key = TrajectoryKey(n, 0, 0, 0, c)
             rows = 3 if n == 0 else n
-            dtype = (np.float32, np.float64, np.int32)[c % 3]
             actions = (rng.standard_normal((rows, 4, 2)) * 4).astype(dtype)
             there.send("step", key, actions)
             got = there.receive()
+            seen[c % CASES].add(wire.tags[-1])
             _check_same(got, here.step(key, actions.copy()), (n, c))
             assert got.info["echo"].dtype == dtype and np.array_equal(got.info["echo"], actions)
             assert there.cpu_share is None or 0.0 <= there.cpu_share <= 1.0
+        # Every case that can crossed as bytes, read with its template; the others pickled.
+        assert {c for c in range(CASES) if b"R" in seen[c]} == set(range(CASES)) - PICKLED
+        assert all(seen[c] == {pickle_tag} for c in PICKLED for pickle_tag in [b"\x80"])
         # Actions that are not numpy (a device array): pickled, as any call's arguments.
         key, actions = TrajectoryKey(0, 0, 0, 0, 0), jnp.ones((3, 4, 2), jnp.float32)
         got = there.call("step", key, actions)

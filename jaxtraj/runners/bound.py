@@ -182,7 +182,10 @@ def _dumps(obj: Any) -> bytes:
 # of its EnvStep's arrays (``_RAW``), once one pickled EnvStep of the same structure,
 # dtypes and shapes (``_TEMPLATE``) has told the parent how to read them. Unpickling an
 # array costs ~10 us, reading one from bytes ~2. A pickled message starts with pickle's
-# PROTO opcode (``b"\x80"``), never with one of these tags.
+# PROTO opcode (``b"\x80"``), never with one of these tags. What differs from pickling:
+# every array arrives as its own C-ordered, writable array (the same array twice, once),
+# and dicts in JAX's order of their keys. What JAX cannot flatten (keys of mixed types)
+# or a template cannot carry is pickled.
 _STEP, _TEMPLATE, _RAW = b"S", b"T", b"R"
 _NUMERIC = frozenset("biufc")  # dtype kinds that cross as bytes
 _FIELDS = tuple(f.name for f in dataclasses.fields(EnvStep))
@@ -210,20 +213,21 @@ def _step_request(method: str, args: tuple, kwargs: dict) -> bytes | None:
     key, actions = args
     if type(key) is not TrajectoryKey or type(actions) is not np.ndarray:
         return None
-    if actions.dtype.kind not in _NUMERIC:
-        return None
-    head = _dumps((key.as_tuple(), actions.dtype.str, actions.shape))
-    return b"".join((_STEP, struct.pack("<H", len(head)), head, actions.tobytes()))
+    fields = key.fields()
+    if actions.dtype.kind not in _NUMERIC or any(type(v) is not int for v in fields):
+        return None  # (a key of arrays crosses as it is, pickled)
+    head = _dumps((fields, actions.dtype.str, actions.shape))
+    return b"".join((_STEP, struct.pack("<I", len(head)), head, actions.tobytes()))
 
 
 def _request(message: bytes) -> tuple[Any, tuple, dict]:
     """``(method, args, kwargs)`` of a request (in the env's process)."""
     if message[:1] != _STEP:
         return pickle.loads(message)
-    (n,) = struct.unpack_from("<H", message, 1)
-    fields, dtype, shape = pickle.loads(message[3 : 3 + n])
-    # A copy: arrays of their own, writable (the message's bytes are not).
-    actions = np.frombuffer(message, dtype, offset=3 + n).reshape(shape).copy()
+    (n,) = struct.unpack_from("<I", message, 1)
+    fields, dtype, shape = pickle.loads(message[5 : 5 + n])
+    # A copy: an array of its own, writable (the message's bytes are not).
+    actions = np.frombuffer(message, dtype, offset=5 + n).reshape(shape).copy()
     return "step", (TrajectoryKey(*fields), actions), {}
 
 
@@ -237,7 +241,9 @@ class _StepReplies:
     most = 32  # templates kept (both sides): past it the numbering starts again
 
     def __init__(self) -> None:
-        self.sent: dict[tuple, int] = {}  # (treedef, layout) -> its template's number
+        # (treedef, its text, layout) -> its template's number. The text: keys that are
+        # equal but not the same (1 and True) make equal treedefs, not equal texts.
+        self.sent: dict[tuple, int] = {}
 
     def __call__(self, value: Any, share: float | None) -> bytes | None:
         if type(value) is not EnvStep:
@@ -246,7 +252,8 @@ class _StepReplies:
         layout = _layout(leaves)
         if layout is None:
             return None
-        number = self.sent.get((treedef, layout))
+        signature = (treedef, str(treedef), layout)
+        number = self.sent.get(signature)
         if number is None:
             if len(self.sent) == self.most:
                 self.sent.clear()  # the parent's are overwritten as they are sent again
@@ -255,7 +262,7 @@ class _StepReplies:
                 message = _TEMPLATE + bytes((number,)) + _dumps((True, value, share))
             except Exception:  # noqa: BLE001 (a node that does not pickle: said as any reply)
                 return None
-            self.sent[(treedef, layout)] = number
+            self.sent[signature] = number
             return message
         # 16 bytes: the tag, the template's number, 6 bytes of padding, the CPU share
         parts = [struct.pack("<cB6xd", _RAW, number, float("nan") if share is None else share)]
@@ -280,13 +287,14 @@ class _StepReader:
                 size = count * np.dtype(dtype).itemsize
                 offset += size + (-size % _ALIGN)
 
-    def __call__(self, buf: bytearray) -> EnvStep:
+    def __call__(self, message: bytes) -> EnvStep:
         leaves: list = []
         for j, (dtype, shape, first, offset, count) in enumerate(self.leaves):
             if first != j:
                 leaves.append(leaves[first])
-            else:
-                leaves.append(np.frombuffer(buf, dtype, count, offset).reshape(shape))
+            else:  # a copy: an array of its own (a view would keep the whole reply alive),
+                # writable
+                leaves.append(np.frombuffer(message, dtype, count, offset).reshape(shape).copy())
         return EnvStep(*jax.tree.unflatten(self.treedef, leaves))
 
 
@@ -416,7 +424,12 @@ def _env_process(conn: Any, payload: bytes, name: str) -> None:
             reply(False, _portable(exc, traceback.format_exc()))
             continue
         share = meter.share()
-        message = compact(value, share) if method == "step" else None
+        message = None
+        if method == "step":
+            try:
+                message = compact(value, share)
+            except Exception:  # noqa: BLE001 (what JAX cannot flatten or compare: pickled)
+                message = None
         if message is None:
             reply(True, value, share)
         else:
@@ -537,10 +550,15 @@ class ProcessBoundEnv(_Bound):
             ) from None
         tag = data[:1]
         if tag == _RAW:
-            buf = bytearray(data)  # the arrays' memory, writable (as unpickled arrays)
-            (share,) = struct.unpack_from("<d", buf, 8)
+            reader = self._readers.get(data[1])
+            if reader is None:
+                raise RuntimeError(
+                    f"{self.name}: a step's result names template {data[1]}, which this side "
+                    "does not have (its template could not be read)"
+                )
+            (share,) = struct.unpack_from("<d", data, 8)
             self.cpu_share = None if share != share else share
-            return self._readers[buf[1]](buf)
+            return reader(data)
         ok, value, share = pickle.loads(memoryview(data)[2:] if tag == _TEMPLATE else data)
         if not ok:
             raise value
