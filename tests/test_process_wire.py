@@ -4,6 +4,7 @@ numeric arrays only, and arrives as it left (checked against the same env steppe
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -190,3 +191,47 @@ class FailsAt(WireEnv):
         if key.chunk_id == 3:
             raise RuntimeError("simulator crashed")
         return super().step(key, actions)
+
+
+class Point:
+    """A tree node that only the env's process registers (in the env's constructor)."""
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+
+_REGISTERED = []
+
+
+class ChildNodeEnv(WireEnv):
+    def __init__(self):
+        if not _REGISTERED:
+            jax.tree_util.register_pytree_node(
+                Point, lambda p: ((p.x, p.y), None), lambda _, xy: Point(*xy)
+            )
+            _REGISTERED.append(True)
+
+    def step(self, key, actions):
+        out = super().step(key, actions)
+        x = out.obs["state"]
+        return dataclasses.replace(out, obs={**out.obs, "point": Point(x, 2 * x)})
+
+
+def test_a_tree_this_side_reads_otherwise_is_pickled_from_then_on():
+    # Point is registered in the env's process only: here it is a leaf, so its template
+    # cannot be read here, and the env's process is asked to pickle every reply instead.
+    assert not _REGISTERED
+    env = ProcessBoundEnv(ChildNodeEnv, "env_worker_0")
+    try:
+        env._conn = wire = _Tags(env._conn)
+        for c in range(4):
+            key, actions = TrajectoryKey(0, 0, 0, 0, c), np.full((3, 4, 2), c, np.float32)
+            got = env.call("step", key, actions)
+            want = WireEnv().step(key, actions)
+            assert isinstance(got.obs["point"], Point)
+            assert np.array_equal(got.obs["point"].x, want.obs["state"])
+            assert np.array_equal(got.obs["point"].y, 2 * want.obs["state"])
+            assert np.array_equal(got.transition.rewards, want.transition.rewards)
+        assert wire.tags == [b"T", b"\x80", b"\x80", b"\x80"]
+    finally:
+        env.close()

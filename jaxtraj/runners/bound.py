@@ -185,8 +185,10 @@ def _dumps(obj: Any) -> bytes:
 # PROTO opcode (``b"\x80"``), never with one of these tags. What differs from pickling:
 # every array arrives as its own C-ordered, writable array (the same array twice, once),
 # and dicts in JAX's order of their keys. What JAX cannot flatten (keys of mixed types)
-# or a template cannot carry is pickled.
+# or a template cannot carry is pickled; so is every reply after a template the parent
+# reads as another tree (a node registered in the env's process only).
 _STEP, _TEMPLATE, _RAW = b"S", b"T", b"R"
+_PICKLED = "__pickled__"  # the parent's request that every reply be pickled (none answers it)
 _NUMERIC = frozenset("biufc")  # dtype kinds that cross as bytes
 _FIELDS = tuple(f.name for f in dataclasses.fields(EnvStep))
 _ALIGN = 16  # each array's bytes start at a multiple of it (after a 16-byte head)
@@ -397,6 +399,9 @@ def _env_process(conn: Any, payload: bytes, name: str) -> None:
             method, args, kwargs = _request(conn.recv_bytes())
         except EOFError:  # the parent has gone
             return
+        if method == _PICKLED:  # the parent cannot read this process's templates
+            compact = None
+            continue
         if method is None:  # stop: close the env, say so, and exit without teardown
             try:
                 close = getattr(env, "close", None)
@@ -425,7 +430,7 @@ def _env_process(conn: Any, payload: bytes, name: str) -> None:
             continue
         share = meter.share()
         message = None
-        if method == "step":
+        if method == "step" and compact is not None:
             try:
                 message = compact(value, share)
             except Exception:  # noqa: BLE001 (what JAX cannot flatten or compare: pickled)
@@ -563,7 +568,14 @@ class ProcessBoundEnv(_Bound):
         if not ok:
             raise value
         if tag == _TEMPLATE:
-            self._readers[data[1]] = _StepReader(value)
+            try:
+                self._readers[data[1]] = _StepReader(value)
+            except Exception:  # noqa: BLE001 (its tree reads otherwise here: a node
+                # registered in the env's process only): every reply pickled from now on
+                try:
+                    self._conn.send_bytes(_dumps((_PICKLED, (), {})))
+                except OSError:  # the process ended: the next call says so
+                    pass
         self.cpu_share = share
         return value
 
