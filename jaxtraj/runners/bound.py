@@ -222,6 +222,11 @@ def _step_request(method: str, args: tuple, kwargs: dict) -> bytes | None:
     return b"".join((_STEP, struct.pack("<I", len(head)), head, actions.tobytes()))
 
 
+def _message(method: str, args: tuple, kwargs: dict) -> bytes:
+    """A call's request: compact for a step of numeric actions, else pickled."""
+    return _step_request(method, args, kwargs) or _dumps((method, _host(args), _host(kwargs)))
+
+
 def _request(message: bytes) -> tuple[Any, tuple, dict]:
     """``(method, args, kwargs)`` of a request (in the env's process)."""
     if message[:1] != _STEP:
@@ -260,10 +265,9 @@ class _StepReplies:
             if len(self.sent) == self.most:
                 self.sent.clear()  # the parent's are overwritten as they are sent again
             number = len(self.sent)
-            try:
-                message = _TEMPLATE + bytes((number,)) + _dumps((True, value, share))
-            except Exception:  # noqa: BLE001 (a node that does not pickle: said as any reply)
-                return None
+            # (A value that does not pickle raises: the caller pickles it as any reply, and
+            # that says so.)
+            message = _TEMPLATE + bytes((number,)) + _dumps((True, value, share))
             self.sent[signature] = number
             return message
         # 16 bytes: the tag, the template's number, 6 bytes of padding, the CPU share
@@ -283,10 +287,10 @@ class _StepReader:
         self.leaves = []  # (dtype, shape, first, offset, count)
         offset = 16
         for j, (dtype, shape, first) in enumerate(_layout(leaves)):
-            count = int(np.prod(shape, dtype=np.int64))
-            self.leaves.append((np.dtype(dtype), shape, first, offset, count))
+            dtype, count = np.dtype(dtype), int(np.prod(shape, dtype=np.int64))
+            self.leaves.append((dtype, shape, first, offset, count))
             if first == j:
-                size = count * np.dtype(dtype).itemsize
+                size = count * dtype.itemsize
                 offset += size + (-size % _ALIGN)
 
     def __call__(self, message: bytes) -> EnvStep:
@@ -585,9 +589,7 @@ class ProcessBoundEnv(_Bound):
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"{self.name}: the env's process has ended (closed)")
-            message = _step_request(method, args, kwargs) or _dumps(
-                (method, _host(args), _host(kwargs))
-            )
+            message = _message(method, args, kwargs)
             try:
                 self._conn.send_bytes(message)
             except (BrokenPipeError, OSError):
@@ -606,10 +608,7 @@ class ProcessBoundEnv(_Bound):
         if self._closed:
             raise RuntimeError(f"{self.name}: the env's process has ended (closed)")
         try:
-            self._conn.send_bytes(
-                _step_request(method, args, kwargs)
-                or _dumps((method, _host(args), _host(kwargs)))
-            )
+            self._conn.send_bytes(_message(method, args, kwargs))
         except (BrokenPipeError, OSError):
             self._process.join(1.0)
             raise RuntimeError(
