@@ -41,6 +41,9 @@ episode), ``K = 4`` actions per chunk, ``T = 16`` chunks per training step, ``E 
 - ``b1``, ``b1_proc``: ``b`` and ``b_proc`` with one env rank of B (``halfcheetah``
   only: EnvPool's own threads step the B envs on every core, as in the hand loop; what
   is left to overlap is inference and the collector's work);
+- ``bt``, ``bt_proc``: ``b`` and ``b_proc`` with each rank's pool given its share of the
+  cores (``num_threads`` = CPUs / ranks; ``halfcheetah`` only): EnvPool's default is a
+  thread per core in every pool, so two ranks on two cores run four stepping threads;
 - ``b4``, ``b4_proc``: ``b`` and ``b_proc`` with four env ranks of B/4 (``sleep1ms``
   only);
 - ``c``, ``c_proc``: :class:`~jaxtraj.runners.threads.DecoupledRunner`, the same setups;
@@ -84,7 +87,11 @@ at once. ``speedup_2_processes`` (B alone over the slower of the two at once) is
 stepping two ranks in parallel processes gains on the env's own work: near or below 1,
 two env processes on this machine step no faster than one process of both (EnvPool's own
 threads already use every core; or the VM's two vCPUs share one core's time), and the
-runners can only gain what inference takes.
+runners can only gain what inference takes. EnvPool again with each B/2 pool on one
+thread (``speedup_2_processes_one_thread``: the cores split between the ranks, as
+``bt`` / ``bt_proc`` split them), and the 1 ms env as four B/4 at once
+(``speedup_4_processes``): each a ceiling, the most a runner of those ranks could gain
+over (a)'s env stepping with inference and collection free.
 
     python benchmarks/host_env.py [--quick] [--camera] [--rounds 11] [--steps 4]
 
@@ -137,13 +144,14 @@ ENVS = {
     "sleep1ms": dict(kind="sleep", task="Sleep1ms", B=8),
 }
 CONFIGS = [
-    "a", "a_adapter", "a_collector", "b", "b_proc", "b0_proc", "bw_proc", "b1", "b1_proc", "b4",
-    "b4_proc", "c",
+    "a", "a_adapter", "a_collector", "b", "b_proc", "b0_proc", "bw_proc", "b1", "b1_proc", "bt",
+    "bt_proc", "b4", "b4_proc", "c",
     "c_proc", "d", "d_direct",
     "d_actor", "d4", "d4_direct", "d4_actor", "a_1core", "b_1core", "a_null", "b_null",
 ]
 # configurations measured on some envs only
-ONLY = {"b1": {"halfcheetah"}, "b1_proc": {"halfcheetah"},
+ONLY = {"b1": {"halfcheetah"}, "b1_proc": {"halfcheetah"}, "bt": {"halfcheetah"},
+        "bt_proc": {"halfcheetah"},
         "b4": {"sleep1ms"}, "b4_proc": {"sleep1ms"}, "d4": {"sleep1ms"}, "d4_direct": {"sleep1ms"},
         "d4_actor": {"sleep1ms"}}
 # On the latency-bound env: what is measured is overlap (the rest is the CPU-bound envs').
@@ -184,6 +192,8 @@ LABELS = {
     "bw_proc": "(bw) AsyncRunner, 2 ranks, env processes, batch_wait_s 5 ms",
     "b1": "(b1) AsyncRunner, 1 rank of B",
     "b1_proc": "(b1) AsyncRunner, 1 rank of B, env process",
+    "bt": "(bt) AsyncRunner, 2 ranks, EnvPool threads split between them",
+    "bt_proc": "(bt) AsyncRunner, 2 ranks, env processes, EnvPool threads split between them",
     "b4": "(b4) AsyncRunner, 4 ranks",
     "b4_proc": "(b4) AsyncRunner, 4 ranks, env processes",
     "c": "(c) DecoupledRunner, 2 ranks",
@@ -277,7 +287,7 @@ def sleep_env():
     return TimeLimit(Sleep1ms(), SLEEP_STEPS)
 
 
-def make_raw(kind: str, task: str, n: int, seed: int):
+def make_raw(kind: str, task: str, n: int, seed: int, threads: int | None = None):
     if kind == "sleep":
         import gymnasium
 
@@ -288,7 +298,8 @@ def make_raw(kind: str, task: str, n: int, seed: int):
         return gymnasium.make_vec(task, num_envs=n, vectorization_mode="sync")
     import envpool
 
-    return envpool.make(task, env_type="gymnasium", num_envs=n, seed=seed)
+    opts = {} if threads is None else {"num_threads": threads}
+    return envpool.make(task, env_type="gymnasium", num_envs=n, seed=seed, **opts)
 
 
 @dataclasses.dataclass
@@ -300,10 +311,11 @@ class EnvFactory:
     n: int
     seed: int
     camera: bool
+    threads: int | None = None  # EnvPool's num_threads (None: its default, one per core)
 
     def __call__(self, rank: int = 0):
         seed = self.seed + 1000 * rank
-        raw = make_raw(self.kind, self.task, self.n, seed)
+        raw = make_raw(self.kind, self.task, self.n, seed, self.threads)
         if self.kind in ("gymnasium", "sleep"):
             env = GymnasiumEnv(raw, actions_per_chunk=K, seed=seed)
         else:
@@ -350,8 +362,8 @@ class RawLoopEnv:
     """The hand loop's vector env, no adapter: one step of B envs, ended envs reset at
     once (gymnasium: ``reset(options={"reset_mask": done})``; EnvPool: ``pool.reset(ids)``)."""
 
-    def __init__(self, kind, task, n, seed):
-        self.kind, self.raw = kind, make_raw(kind, task, n, seed)
+    def __init__(self, kind, task, n, seed, threads=None):
+        self.kind, self.raw = kind, make_raw(kind, task, n, seed, threads)
         if kind in ("gymnasium", "sleep"):
             obs, _ = self.raw.reset(seed=seed)
             self.act_dtype = np.float32
@@ -635,7 +647,10 @@ class Runner:
         self, which, spec, B, params, policy_fn, value_fn, camera, seed, null=None, ranks=2
     ):
         part = B // ranks
-        factory = EnvFactory(spec["kind"], spec["task"], part, seed, camera)
+        # "t": each rank's pool gets its share of the cores (EnvPool's default is a thread per
+        # core in every pool: 2 ranks on 2 cores run 4 stepping threads)
+        threads = max(1, len(os.sched_getaffinity(0)) // ranks) if which.startswith("bt") else None
+        factory = EnvFactory(spec["kind"], spec["task"], part, seed, camera, threads)
         plan = TrajectoryPlan(num_chunks=T, num_epochs=E, batch_size=part, num_env_ranks=ranks)
         ray_runner = which.startswith("d")
         elsewhere = ray_runner or which.endswith("_proc")  # envs built in other processes
@@ -685,10 +700,10 @@ class Runner:
 # --------------------------------------------------------------------------- the machine
 
 
-def _step_raw(kind, task, n, steps, ready, go, out):
+def _step_raw(kind, task, n, steps, ready, go, out, threads=None):
     """A process: ``steps`` training steps' vector steps of a raw env of ``n``, timed
     from ``go`` (set once every process of the probe is ready)."""
-    env = RawLoopEnv(kind, task, n, seed=0)
+    env = RawLoopEnv(kind, task, n, seed=0, threads=threads)
     A = env.raw.single_action_space.shape[0] if hasattr(env.raw, "single_action_space") else (
         env.raw.action_space.shape[-1])
     rng = np.random.default_rng(0)
@@ -703,14 +718,14 @@ def _step_raw(kind, task, n, steps, ready, go, out):
     out.put(((time.perf_counter() - t0) / steps * 1e3, (time.process_time() - c0) / steps * 1e3))
 
 
-def _probe(kind, task, sizes, steps):
+def _probe(kind, task, sizes, steps, threads=None):
     """Each size's env in a process of its own, all stepping at once; ms per training step
-    (wall, CPU) of each."""
+    (wall, CPU) of each (``threads``: each EnvPool's ``num_threads``)."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
     ready, go, out = ctx.Queue(), ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=_step_raw, args=(kind, task, n, steps, ready, go, out))
+    procs = [ctx.Process(target=_step_raw, args=(kind, task, n, steps, ready, go, out, threads))
              for n in sizes]
     for p in procs:
         p.start()
@@ -725,21 +740,35 @@ def _probe(kind, task, sizes, steps):
 
 def env_scaling(spec, steps: int, reps: int = 3) -> dict:
     """Raw env stepping, B in one process, B/2 alone, 2 x B/2 at once (medians of
-    ``reps`` alternating repetitions): what parallel env processes gain on this machine."""
-    B = spec["B"]
-    rows = {"alone_B": [], "alone_half": [], "two_halves_at_once": []}
+    ``reps`` alternating repetitions): what parallel env processes gain on this machine.
+    EnvPool also with each B/2 pool on one thread (``num_threads=1``, the cores split
+    between the two); the 1 ms env also as 4 x B/4 at once (the 4-rank targets)."""
+    B, kind, task = spec["B"], spec["kind"], spec["task"]
+    probes = {
+        "alone_B": lambda: _probe(kind, task, [B], steps),
+        "alone_half": lambda: _probe(kind, task, [B // 2], steps),
+        "two_halves_at_once": lambda: _probe(kind, task, [B // 2, B // 2], steps),
+    }
+    if kind == "envpool":
+        probes["two_halves_at_once_one_thread_each"] = lambda: _probe(
+            kind, task, [B // 2, B // 2], steps, threads=1)
+    if kind == "sleep":
+        probes["four_quarters_at_once"] = lambda: _probe(kind, task, [B // 4] * 4, steps)
+    rows = {k: [] for k in probes}
     for _ in range(reps):
-        rows["alone_B"].append(_probe(spec["kind"], spec["task"], [B], steps)[0])
-        rows["alone_half"].append(_probe(spec["kind"], spec["task"], [B // 2], steps)[0])
-        both = _probe(spec["kind"], spec["task"], [B // 2, B // 2], steps)
-        rows["two_halves_at_once"].append(max(both))  # the slower one sets the pace
+        for k, probe in probes.items():
+            rows[k].append(max(probe()))  # at once: the slowest one sets the pace
     res = {k: {"ms_per_training_step": statistics.median(w for w, _ in v),
                "cpu_ms_per_training_step": statistics.median(c for _, c in v)}
            for k, v in rows.items()}
-    res["speedup_2_processes"] = (res["alone_B"]["ms_per_training_step"]
-                              / res["two_halves_at_once"]["ms_per_training_step"])
+    alone = res["alone_B"]["ms_per_training_step"]
+    res["speedup_2_processes"] = alone / res["two_halves_at_once"]["ms_per_training_step"]
     res["half_slowdown_at_once"] = (res["two_halves_at_once"]["ms_per_training_step"]
                                     / res["alone_half"]["ms_per_training_step"])
+    for k, name in (("two_halves_at_once_one_thread_each", "speedup_2_processes_one_thread"),
+                    ("four_quarters_at_once", "speedup_4_processes")):
+        if k in res:
+            res[name] = alone / res[k]["ms_per_training_step"]
     return res
 
 
@@ -751,6 +780,10 @@ def scaling_line(name: str, sc: dict) -> str:
         f"{sc['two_halves_at_once']['ms_per_training_step']:.0f} (each "
         f"{sc['half_slowdown_at_once']:.2f}x as slow as alone): stepping two processes at once "
         f"is {sc['speedup_2_processes']:.2f}x one process of B"
+        + (f"; with one EnvPool thread each {sc['speedup_2_processes_one_thread']:.2f}x"
+           if "speedup_2_processes_one_thread" in sc else "")
+        + (f"; four B/4 at once {sc['speedup_4_processes']:.2f}x"
+           if "speedup_4_processes" in sc else "")
     )
 
 

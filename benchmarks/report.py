@@ -233,12 +233,25 @@ def page_host_env(d: dict, out: Path) -> str:
                  "than one process of both, and a runner can only gain what inference "
                  "takes.\n\n") + table(
             ["env", "B alone (ms)", "B/2 alone (ms)", "two B/2 at once (ms)",
-             "two at once against B alone"],
+             "two at once against B alone", "two B/2, one EnvPool thread each",
+             "four B/4 at once"],
             [[name, sc["alone_B"]["ms_per_training_step"],
               sc["alone_half"]["ms_per_training_step"],
               sc["two_halves_at_once"]["ms_per_training_step"],
-              f"{sc['speedup_2_processes']:.2f}x"] for name, sc in d["env_scaling"].items()])
+              f"{sc['speedup_2_processes']:.2f}x", _ceiling(sc, "two_halves_at_once_one_thread_each",
+                                                           "speedup_2_processes_one_thread"),
+              _ceiling(sc, "four_quarters_at_once", "speedup_4_processes")]
+             for name, sc in d["env_scaling"].items()])
+        text += ("\nThe last two columns (where measured): ms per training step, and B alone "
+                 "over it: the most a runner of those ranks could gain over (a)'s env "
+                 "stepping, with inference and collection free.\n")
     return text + "\n" + _save(fig, out, "host_env.png")
+
+
+def _ceiling(sc: dict, row: str, ratio: str) -> str:
+    if row not in sc:
+        return "-"
+    return f"{sc[row]['ms_per_training_step']:.1f} ms ({sc[ratio]:.2f}x)"
 
 
 def page_rollout_ray(d: dict, out: Path) -> str:
