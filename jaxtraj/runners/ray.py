@@ -567,6 +567,7 @@ class RayRunner:
         self.restarts = 0  # worker restarts handled over this runner's life
         self.transport, self.direct_address = transport, direct_address
         self._listener: socket.socket | None = None  # transport="direct": where actors dial
+        self._behind: deque = deque()  # see run()
         self._address: tuple | None = None  # the address the actors are given
         self._connected: queue.Queue = queue.Queue()  # (rank index, connection) admitted
         self._liveness_at = 0.0  # when to ask Ray next whether connected actors live
@@ -648,6 +649,9 @@ class RayRunner:
         # index, no list of them.
         self._rngs = StepRngs(self.plan, self.seed, self.env_ranks, self.stage_id)
         self._ready, self._ready_at, self.calls = [], None, 0
+        # Env halves received, completed and inserted once the ranks ready are served
+        # (off the path to the actions): (rank, env half, its EnvStep).
+        self._behind: deque = deque()
         self._due = _Due(len(self._ranks))  # when each rank's observation is expected
         for w in self._ranks:
             w.key_at = self._keyer(w.rank)
@@ -666,6 +670,7 @@ class RayRunner:
                         w.pending.append(("ping", w.actor.pid.remote(), None))
                 self._accept()
                 self._serve_ready()
+                self._catch_up()
                 heads = {w.pending[0][1]: w for w in self._ranks
                          if w.pending and w.pending[0][1] is not _DIRECT}
                 direct = {w.conn: w for w in self._ranks
@@ -695,6 +700,7 @@ class RayRunner:
                     self._kill_stalled()
                 if self.transport == "direct":
                     self._check_connected()
+            self._catch_up()
             self._check_complete()
         except BaseException as exc:  # KeyboardInterrupt included
             if not isinstance(exc, KeyboardInterrupt):
@@ -918,16 +924,8 @@ class RayRunner:
             self._due.back(w.index, time.monotonic())
             part, out, snapshot = result
             obs = out.obs
-            self._checked_obs(w, obs)
-            with self._lock:
-                params = self._params
-            try:  # terminal inference in the learner, with the current parameters
-                part = complete_env_part(
-                    self.plan, self.collector.layout, part, out, self.value_fn, params
-                )
-            except Exception as exc:
-                raise RunnerError("policy_worker", part.source.key.as_tuple(), exc) from exc
-            self._insert(w, part)
+            self._checked_obs(w, obs)  # before the policy sees it
+            self._behind.append((w, part, out))  # completed and inserted after the serving
             self._advance(w, [(payload.as_tuple(), w.actions)], part.transition, snapshot)
             w.obs = obs
         else:  # "run"
@@ -939,6 +937,23 @@ class RayRunner:
             done = [(p.source.key.as_tuple(), np.array(p.output.actions)) for p, _ in pairs]
             self._advance(w, done, pairs[-1][1].transition, snapshot)
         self._submit(w)
+
+    def _catch_up(self) -> None:
+        """The env halves received: terminal inference in the learner (with the current
+        parameters), then inserted, in the order they came back. Left until the ranks
+        whose observation is in are served, so that a chunk's insert does not hold up
+        its rank's next actions."""
+        while self._behind:
+            w, part, out = self._behind.popleft()
+            with self._lock:
+                params = self._params
+            try:
+                part = complete_env_part(
+                    self.plan, self.collector.layout, part, out, self.value_fn, params
+                )
+            except Exception as exc:
+                raise RunnerError("policy_worker", part.source.key.as_tuple(), exc) from exc
+            self._insert(w, part)
 
     def _advance(self, w: _Rank, done: list, prev: Any, snapshot: Any) -> None:
         """Rank ``w`` received ``done``: move its restore point there."""
@@ -1195,6 +1210,7 @@ class RayRunner:
     def _drain(self) -> None:
         """After a failure: insert the results that already came back, in order."""
         self._draining = True
+        self._catch_up_quietly()
         for w in self._ranks:
             while w.pending:
                 head = w.pending[0][1]
@@ -1210,4 +1226,14 @@ class RayRunner:
                     self._receive(w, _fetch(ready)[0])
                 except Exception:  # the first failure is the one reported
                     break
+        self._catch_up_quietly()
         self._draining = False
+
+    def _catch_up_quietly(self) -> None:
+        """:meth:`_catch_up` after a failure: a half that fails is left out (the first
+        failure is the one reported), the others are inserted."""
+        while self._behind:
+            try:
+                self._catch_up()
+            except Exception:  # noqa: BLE001
+                pass
