@@ -654,3 +654,43 @@ def test_direct_transport_warns_of_a_loopback_address(ray_instance):
         assert _loopback(runner._address[0])
     finally:
         runner.close()
+
+
+def test_direct_transport_sends_steps_as_bytes_and_equals_the_threaded_runner(
+    ray_instance, reference
+):
+    """transport="direct": a chunk's actions cross as bytes, and so does the EnvStep of an
+    env without snapshots (read by template; the env half made in the learner from it
+    and the previous chunk's transition); across run(num_steps=1) calls, the threaded
+    runner's trajectories. An env with snapshots (the other tests' PointEnv) has its
+    result pickled, the env half made in the learner all the same."""
+    from jaxtraj.runners import ray as ray_module
+
+    sent, read = [], []
+    step_request, reader_call = ray_module._step_request, ray_module._StepReader.__call__
+
+    def counted_request(*args):
+        message = step_request(*args)
+        sent.append(message is not None)
+        return message
+
+    def counted_read(self, message):
+        read.append(message[:1])
+        return reader_call(self, message)
+
+    env_fn = functools.partial(PointEnv, snapshots=False)
+    got = {}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ray_module, "_step_request", counted_request)
+        patch.setattr(ray_module._StepReader, "__call__", counted_read)
+        with ray_runner(make_collector(), env_fn, num_steps=1, transport="direct") as runner:
+            for _ in range(STEPS):
+                got.update(by_source(runner.run()))
+            assert all(len(w.readers) == 1 for w in runner._ranks)  # one template a rank
+    chunks = STEPS * E * T * RANKS
+    assert sent == [True] * chunks  # every step's actions as bytes
+    # every step's result but each rank's first (its template, pickled) read as bytes
+    assert read == [b"R"] * (chunks - RANKS)
+    assert sorted(got) == sorted(reference)
+    for k in reference:
+        assert_same(got[k], reference[k])

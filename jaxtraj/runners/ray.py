@@ -89,7 +89,19 @@ import numpy as np
 from jaxtraj.collector import TrajectoryCollector
 from jaxtraj.errors import CollectorError, ErrorCode
 from jaxtraj.plan import TrajectoryPlan
-from jaxtraj.runners.bound import _dumps, _portable, _send_reply
+from jaxtraj.runners.bound import (
+    _PICKLED,
+    _RAW,
+    _STEP,
+    _TEMPLATE,
+    _dumps,
+    _portable,
+    _request,
+    _send_reply,
+    _step_request,
+    _StepReader,
+    _StepReplies,
+)
 from jaxtraj.runners.service import (
     Consumer,
     Env,
@@ -201,6 +213,16 @@ class EnvWorker:
             self.obs, self.prev = step.obs, step.transition
         return out, self._snapshot()
 
+    def _step_whole(self, key: TrajectoryKey, actions: Any) -> tuple[None, EnvStep, Any]:
+        """``transport="direct"``: execute chunk ``key``'s actions; ``(None, the env's
+        EnvStep, snapshot)``, the env half made in the learner (from the same EnvStep and
+        the previous chunk's transition, which the learner keeps)."""
+        out = self.env.step(key, actions)
+        if not isinstance(out, EnvStep):
+            raise TypeError(f"env.step must return an EnvStep, got {type(out).__name__}")
+        self.obs, self.prev = out.obs, out.transition
+        return None, out, self._snapshot()
+
     def restore(self, snapshot: Any, prev: Any, replay: Sequence[tuple]) -> PyTree:
         """Return to a point the learner received: ``env.set_state(snapshot)``, or a
         reset and the recorded ``(key, actions)`` replayed. The observation there."""
@@ -220,24 +242,51 @@ class EnvWorker:
     def serve(self, address: Any, authkey: bytes, index: int) -> int:
         """``transport="direct"``: connect to the learner at ``address`` and execute its
         requests (``reset``, ``step``, ``restore``) in order, each answered ``(ok,
-        value)``, until the learner closes the connection. Runs in the thread that built
+        value)`` (a step sent as bytes: its EnvStep as bytes, where it can be), until the
+        learner closes the connection. Runs in the thread that built
         the env (the actor's), as Ray's calls do; returns the requests served."""
         conn = _dial(address, authkey, index)
         served = 0
+        compact: _StepReplies | None = _StepReplies()
         try:
             while True:
                 try:
-                    method, args = pickle.loads(conn.recv_bytes())
+                    data = conn.recv_bytes()
                 except (EOFError, OSError):  # the learner closed it, or is gone
                     return served
-                if method not in _SERVED:
-                    reply = (False, ValueError(f"not a request of the direct transport: {method!r}"))
-                else:
+                message = None
+                if data[:1] == _STEP:  # a step sent as bytes: its EnvStep whole, the env
+                    # half made in the learner; as bytes too where it can be
+                    _, (key, actions), _ = _request(data)
                     try:
-                        reply = (True, getattr(self, method)(*args))
+                        value = self._step_whole(key, actions)
                     except Exception as exc:  # noqa: BLE001 (raised in the learner)
                         reply = (False, _portable(exc, traceback.format_exc()))
-                _send_reply(conn, reply, f"the learner (its {method} request)")
+                    else:
+                        reply = (True, value)
+                        if compact is not None and value[2] is None:
+                            try:
+                                message = compact(value[1], None)
+                            except Exception:  # noqa: BLE001 (what JAX cannot flatten: pickled)
+                                message = None
+                    method = "step"
+                else:
+                    method, args = pickle.loads(data)
+                    if method == _PICKLED:  # the learner cannot read this actor's templates
+                        compact = None
+                        continue
+                    if method not in _SERVED:
+                        reply = (False, ValueError(
+                            f"not a request of the direct transport: {method!r}"))
+                    else:
+                        try:
+                            reply = (True, getattr(self, method)(*args))
+                        except Exception as exc:  # noqa: BLE001 (raised in the learner)
+                            reply = (False, _portable(exc, traceback.format_exc()))
+                if message is None:
+                    _send_reply(conn, reply, f"the learner (its {method} request)")
+                else:
+                    conn.send_bytes(message)
                 served += 1
         finally:
             conn.close()
@@ -397,6 +446,8 @@ class _Rank:
     created_at: float | None = None  # when its actor was created (None: warned, or up)
     conn: Any = None  # transport="direct": the connection to its actor, once it connected
     loop: Any = None  # transport="direct": the ref of the actor's serve call
+    # transport="direct": how to read its connection's steps sent as bytes, by template
+    readers: dict = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -462,7 +513,9 @@ class RayRunner:
         (TCP; each side proves a key made per runner, HMAC-SHA256 on the other's nonce,
         before anything is unpickled; the learner listens on its node's address, or
         ``direct_address``, which the actors must be able to reach), and the chunks go
-        both ways on that connection, pickled; Ray
+        both ways on that connection: a step's actions and (for an env without
+        ``get_state``) the EnvStep it returns as their arrays' bytes where they are
+        numeric numpy arrays (the env half made in the learner), else pickled; Ray
         still places, restarts and kills the actors. A round trip costs ~0.2 ms
         against Ray's ~2.6 ms on a 2-core machine, so chunks shorter than a few ms
         (fast simulators, small batches) are not bound by the transport. Faults are
@@ -923,6 +976,8 @@ class RayRunner:
         elif kind == "step":
             self._due.back(w.index, time.monotonic())
             part, out, snapshot = result
+            if part is None:  # transport="direct": the env half is made here
+                part = env_part(self.plan, payload, out, w.prev)
             obs = out.obs
             self._checked_obs(w, obs)  # before the policy sees it
             self._behind.append((w, part, out))  # completed and inserted after the serving
@@ -1027,8 +1082,11 @@ class RayRunner:
         if self.transport != "direct":
             w.pending.append((method, getattr(w.actor, method).remote(*args), payload))
             return True
+        message = None
+        if method == "step":  # as bytes where the actions are a numeric array
+            message = _step_request(method, (TrajectoryKey(*args[0]), args[1]), {})
         try:
-            w.conn.send_bytes(_dumps((method, args)))
+            w.conn.send_bytes(message or _dumps((method, args)))
         except OSError as exc:  # its process is gone (the answer would not come)
             self._lost(w, exc)
             return False
@@ -1129,6 +1187,7 @@ class RayRunner:
                 continue
             w.pending.popleft()
             w.conn, w.progress_at = conn, time.monotonic()
+            w.readers = {}  # a new connection numbers its templates afresh
             if w.started:
                 self._redo(w)
             else:
@@ -1141,13 +1200,35 @@ class RayRunner:
         except (EOFError, OSError) as exc:  # the actor's process is gone
             self._lost(w, exc)
             return
+        tag = data[:1]
+        if tag == _RAW:  # a step's EnvStep as bytes
+            reader = w.readers.get(data[1])
+            if reader is None:
+                raise RunnerError(w.name, w.key(), RuntimeError(
+                    f"a step's result names template {data[1]}, which the learner does not "
+                    "have (its template could not be read)"), self.delivered)
+            self._receive(w, (None, reader(data), None))
+            return
         try:
-            ok, value = pickle.loads(data)
+            if tag == _TEMPLATE:
+                ok, value, _ = pickle.loads(memoryview(data)[2:])
+            else:
+                ok, value = pickle.loads(data)
         except Exception as exc:  # noqa: BLE001 (e.g. a class the learner cannot import)
             kind = w.pending[0][0]
             raise RunnerError(w.name, w.key(), TypeError(
                 f"the actor's answer to {kind} cannot be read in the learner: "
                 f"{type(exc).__name__}: {exc}"), self.delivered) from exc
+        if tag == _TEMPLATE:  # a step's EnvStep, and how to read the next of its kind
+            try:
+                w.readers[data[1]] = _StepReader(value)
+            except Exception:  # noqa: BLE001 (its tree reads otherwise here: a node
+                # registered in the actor's process only): every reply pickled from now on
+                try:
+                    w.conn.send_bytes(_dumps((_PICKLED, ())))
+                except OSError:  # the connection broke: the next receive says so
+                    pass
+            value = (None, value, None)
         self._receive(w, value if ok else _Failure(value, env=True))
 
     def _lost(self, w: _Rank, exc: BaseException) -> None:
