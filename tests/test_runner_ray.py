@@ -495,16 +495,18 @@ def test_import_without_ray_says_which_extra(monkeypatch):
 
 @pytest.mark.parametrize(
     "options",
-    [{}, {"policy": "actor", "chunks_per_call": 2}],
-    ids=["value_in_learner", "value_in_actors"],
+    [{}, {"transport": "direct"}, {"policy": "actor", "chunks_per_call": 2}],
+    ids=["value_in_learner", "value_in_learner_direct", "value_in_actors"],
 )
 def test_terminal_inference_on_the_policy_side_env_actors_need_no_critic(
     ray_instance, reference, reference_per_rank, options
 ):
-    reference = reference_per_rank if options else reference
+    reference = reference_per_rank if options.get("policy") == "actor" else reference
     # The reference (env critic) truncates mid-epoch and bootstraps the last chunk.
     assert any(np.asarray(tr.truncations)[:, 1:-1].any() for tr in reference.values())
-    env_fn = functools.partial(PointEnv, critic=False)
+    # "direct": no snapshots, so each step's EnvStep (final_obs included) crosses as bytes
+    direct = options.get("transport") == "direct"
+    env_fn = functools.partial(PointEnv, critic=False, snapshots=not direct)
     with ray_runner(make_collector(), env_fn, value_fn=value_fn, **options) as runner:
         got = by_source(runner.run())
     assert sorted(got) == sorted(reference)
@@ -678,6 +680,9 @@ def test_direct_transport_sends_steps_as_bytes_and_equals_the_threaded_runner(
         read.append(message[:1])
         return reader_call(self, message)
 
+    # Some chunk 0 carries its previous chunk's flags (an episode ended there): the env
+    # half made in the learner must take them from the transition it kept.
+    assert any(np.asarray(tr.dones)[:, 0].any() for tr in reference.values())
     env_fn = functools.partial(PointEnv, snapshots=False)
     got = {}
     with pytest.MonkeyPatch.context() as patch:

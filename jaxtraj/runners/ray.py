@@ -8,7 +8,9 @@ consumer in the learner process (the thread calling :meth:`RayRunner.run`) feeds
 - ``policy="learner"`` (default, Sebulba-style): in the learner process, on its
   accelerator. For each env rank the learner infers a chunk's actions from the rank's
   last observation, sends the actions to the rank's actor, which executes them and
-  returns the env half and the next observation, and inserts the
+  returns what the env did (the env half; with ``transport="direct"`` the
+  :class:`~jaxtraj.runners.service.EnvStep`, the env half made in the learner) and the
+  next observation, and inserts the
   :class:`~jaxtraj.PolicyPart` while the actor steps. One inference serves every rank
   whose observation is in (``max_batch``, ``batch_wait_s``: rows joined, a PRNG key per
   row, as in :class:`~jaxtraj.runners.threads.AsyncRunner`). One chunk per rank is in
@@ -78,7 +80,7 @@ import traceback
 import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_connections
 from typing import Any
@@ -221,7 +223,8 @@ class EnvWorker:
         if not isinstance(out, EnvStep):
             raise TypeError(f"env.step must return an EnvStep, got {type(out).__name__}")
         self.obs, self.prev = out.obs, out.transition
-        return None, out, self._snapshot()
+        # Not the info kept per action: no runner reads it (nor pays for its bytes).
+        return None, replace(out, info=None), self._snapshot()
 
     def restore(self, snapshot: Any, prev: Any, replay: Sequence[tuple]) -> PyTree:
         """Return to a point the learner received: ``env.set_state(snapshot)``, or a
@@ -513,9 +516,10 @@ class RayRunner:
         (TCP; each side proves a key made per runner, HMAC-SHA256 on the other's nonce,
         before anything is unpickled; the learner listens on its node's address, or
         ``direct_address``, which the actors must be able to reach), and the chunks go
-        both ways on that connection: a step's actions and (for an env without
-        ``get_state``) the EnvStep it returns as their arrays' bytes where they are
-        numeric numpy arrays (the env half made in the learner), else pickled; Ray
+        both ways on that connection: a step's actions, and the EnvStep it returns
+        (the env half made in the learner from it), as their arrays' bytes where they are
+        numeric numpy arrays, else pickled (an env with ``get_state`` has its results
+        pickled, with the snapshot); Ray
         still places, restarts and kills the actors. A round trip costs ~0.2 ms
         against Ray's ~2.6 ms on a 2-core machine, so chunks shorter than a few ms
         (fast simulators, small batches) are not bound by the transport. Faults are
@@ -758,6 +762,8 @@ class RayRunner:
         except BaseException as exc:  # KeyboardInterrupt included
             if not isinstance(exc, KeyboardInterrupt):
                 self._drain()
+            else:  # the env halves already received are collected all the same
+                self._catch_up_quietly()
             self.close()
             if isinstance(exc, (RunnerError, KeyboardInterrupt)):
                 raise
@@ -977,7 +983,10 @@ class RayRunner:
             self._due.back(w.index, time.monotonic())
             part, out, snapshot = result
             if part is None:  # transport="direct": the env half is made here
-                part = env_part(self.plan, payload, out, w.prev)
+                try:
+                    part = env_part(self.plan, payload, out, w.prev)
+                except Exception as exc:
+                    raise RunnerError(w.name, payload.as_tuple(), exc, self.delivered) from exc
             obs = out.obs
             self._checked_obs(w, obs)  # before the policy sees it
             self._behind.append((w, part, out))  # completed and inserted after the serving
@@ -1007,7 +1016,8 @@ class RayRunner:
                     self.plan, self.collector.layout, part, out, self.value_fn, params
                 )
             except Exception as exc:
-                raise RunnerError("policy_worker", part.source.key.as_tuple(), exc) from exc
+                raise RunnerError("policy_worker", part.source.key.as_tuple(), exc,
+                                  self.delivered) from exc
             self._insert(w, part)
 
     def _advance(self, w: _Rank, done: list, prev: Any, snapshot: Any) -> None:
@@ -1207,7 +1217,11 @@ class RayRunner:
                 raise RunnerError(w.name, w.key(), RuntimeError(
                     f"a step's result names template {data[1]}, which the learner does not "
                     "have (its template could not be read)"), self.delivered)
-            self._receive(w, (None, reader(data), None))
+            try:
+                out = reader(data)
+            except Exception as exc:  # noqa: BLE001 (a reply cut short: named, not a crash)
+                raise RunnerError(w.name, w.key(), exc, self.delivered) from exc
+            self._receive(w, (None, out, None))
             return
         try:
             if tag == _TEMPLATE:
