@@ -5,9 +5,10 @@ gymnasium ``Reacher-v5`` environments (state observations, no rendering) on the 
 CPU, through :class:`jaxtraj.envs.GymnasiumEnv` (no adapter to write). The learner
 process (this script) runs a small Gaussian MLP policy that emits an action chunk of
 ``K`` actions per call, Sebulba-style: for every rank it infers a chunk, sends the
-actions to the rank's actor and receives the env half back (``--transport direct``,
-the default here: on a connection each actor opens to the learner; ``ray``: a Ray call
-per chunk, through the object store); the collector joins the halves and flushes one
+actions to the rank's actor and receives what the envs did back (``--transport direct``,
+the default here: on a connection each actor opens to the learner, the step's arrays as
+their bytes, the env half made in the learner; ``ray``: a Ray call per chunk, through the
+object store, the env half made in the actor); the collector joins the halves and flushes one
 ``Trajectory`` per rank and training step. The policy is trained with a few clipped policy-gradient updates per step on
 critic-free discounted returns (``TrajectoryPlan(advantage="returns")``), and every
 update is published with ``runner.update_policy`` (the version travels in
