@@ -66,3 +66,35 @@ def test_env_scaling_probe_times_one_and_two_env_processes():
     assert alone > 0 and two > 0 and sc["alone_half"]["cpu_ms_per_training_step"] > 0
     assert sc["speedup_2_processes"] == pytest.approx(alone / two)
     assert "stepping two processes at once" in host_env.scaling_line("hopper", sc)
+
+
+def test_env_scaling_reports_the_ceilings_of_split_pools_and_four_ranks(monkeypatch):
+    """EnvPool also with each B/2 pool on one thread, the 1 ms env also as four B/4 at
+    once: each probe's slowest process sets its pace, each ceiling is B alone over it
+    (the probes stood in for by fixed timings: the processes are the test above's)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import host_env
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    asked = []
+
+    def probe(kind, task, sizes, steps, threads=None):
+        asked.append((kind, tuple(sizes), threads))
+        ms = {(16,): 60.0, (8,): 40.0, (8, 8): 70.0, (2, 2, 2, 2): 10.0}.get(tuple(sizes), 80.0)
+        return [(ms + n, ms) for n in range(len(sizes))]  # the last one the slowest
+
+    monkeypatch.setattr(host_env, "_probe", probe)
+    pool = host_env.env_scaling({"kind": "envpool", "task": "T", "B": 16}, steps=1, reps=1)
+    assert ("envpool", (8, 8), 1) in asked and ("envpool", (8, 8), None) in asked
+    assert pool["two_halves_at_once"]["ms_per_training_step"] == 71.0
+    assert pool["speedup_2_processes_one_thread"] == pytest.approx(60.0 / 71.0)
+    assert "four_quarters_at_once" not in pool
+    assert "with one EnvPool thread each 0.85x" in host_env.scaling_line("halfcheetah", pool)
+    asked.clear()
+    sleep = host_env.env_scaling({"kind": "sleep", "task": "S", "B": 8}, steps=1, reps=1)
+    assert [a for a in asked if a[1] == (2, 2, 2, 2)] == [("sleep", (2, 2, 2, 2), None)]
+    assert sleep["four_quarters_at_once"]["ms_per_training_step"] == 13.0
+    assert sleep["speedup_4_processes"] == pytest.approx(40.0 / 13.0)  # B = 8 alone: 40 ms
+    assert "two_halves_at_once_one_thread_each" not in sleep
+    assert "four B/4 at once 3.08x" in host_env.scaling_line("sleep1ms", sleep)
