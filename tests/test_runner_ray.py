@@ -230,10 +230,13 @@ def test_learner_inference_is_batched_and_bit_identical_whatever_the_batching(
 ):
     """One policy call for every rank whose observation is in: always (a long wait),
     rarely (no wait, random simulator delays), across run(num_steps=1) calls: the
-    threaded runner's trajectories every time, whichever the transport."""
+    threaded runner's trajectories every time, whichever the transport (with "direct",
+    envs without snapshots: their steps cross as bytes)."""
     chunks = STEPS * E * T
-    slow = functools.partial(PointEnv, delay_s=0.01)
-    for env_fn, wait, calls in ((PointEnv, 5.0, chunks), (slow, 0.0, None)):
+    snapshots = transport != "direct"
+    steady = functools.partial(PointEnv, snapshots=snapshots)
+    slow = functools.partial(PointEnv, delay_s=0.01, snapshots=snapshots)
+    for env_fn, wait, calls in ((steady, 5.0, chunks), (slow, 0.0, None)):
         with ray_runner(make_collector(), env_fn, batch_wait_s=wait, transport=transport) as runner:
             got = by_source(runner.run())
             if calls is None:
