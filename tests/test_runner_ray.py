@@ -702,3 +702,48 @@ def test_direct_transport_sends_steps_as_bytes_and_equals_the_threaded_runner(
     assert sorted(got) == sorted(reference)
     for k in reference:
         assert_same(got[k], reference[k])
+
+
+class _ActorOnlyNode:
+    """A pytree node registered in the actors' processes only (by the env below): in the
+    learner it is one opaque leaf, so a step's template reads as another tree there."""
+
+    def __init__(self, x):
+        self.x = x
+
+
+class _ActorOnlyNodeEnv(PointEnv):
+    def __init__(self, rank):
+        super().__init__(rank, snapshots=False)
+        try:
+            jax.tree_util.register_pytree_node(
+                _ActorOnlyNode, lambda n: ((n.x,), None), lambda _, xs: _ActorOnlyNode(*xs))
+        except ValueError:  # registered already in this process
+            pass
+
+    def step(self, key, actions):
+        out = super().step(key, actions)  # an env critic: nothing in the learner reads final_obs
+        return EnvStep(out.transition, out.obs, final_values=out.final_values,
+                       final_obs=_ActorOnlyNode(out.obs["state"]))
+
+
+def test_direct_transport_pickles_every_reply_after_a_template_the_learner_reads_otherwise(
+    ray_instance, reference
+):
+    """A step's EnvStep holds a node the learner does not know: its template cannot be
+    read there, so the learner asks the actor to pickle every reply after it, and the run
+    goes on with the threaded runner's trajectories (nothing read as bytes)."""
+    from jaxtraj.runners import ray as ray_module
+
+    read = []
+    reader_call = ray_module._StepReader.__call__
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ray_module._StepReader, "__call__",
+                      lambda self, message: (read.append(message[:1]), reader_call(self, message))[1])
+        with ray_runner(make_collector(), _ActorOnlyNodeEnv, transport="direct") as runner:
+            got = by_source(runner.run())
+            assert all(not w.readers for w in runner._ranks)  # no template was readable
+    assert read == []
+    assert sorted(got) == sorted(reference)
+    for k in reference:
+        assert_same(got[k], reference[k])
