@@ -669,10 +669,11 @@ def test_direct_transport_sends_steps_as_bytes_and_equals_the_threaded_runner(
     and the previous chunk's transition); across run(num_steps=1) calls, the threaded
     runner's trajectories. An env with snapshots (the other tests' PointEnv) has its
     result pickled, the env half made in the learner all the same."""
+    from jaxtraj.runners import bound
     from jaxtraj.runners import ray as ray_module
 
     sent, read = [], []
-    step_request, reader_call = ray_module._step_request, ray_module._StepReader.__call__
+    step_request, reader_call = ray_module._step_request, bound._StepReader.__call__
 
     def counted_request(*args):
         message = step_request(*args)
@@ -690,11 +691,11 @@ def test_direct_transport_sends_steps_as_bytes_and_equals_the_threaded_runner(
     got = {}
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(ray_module, "_step_request", counted_request)
-        patch.setattr(ray_module._StepReader, "__call__", counted_read)
+        patch.setattr(bound._StepReader, "__call__", counted_read)
         with ray_runner(make_collector(), env_fn, num_steps=1, transport="direct") as runner:
             for _ in range(STEPS):
                 got.update(by_source(runner.run()))
-            assert all(len(w.readers) == 1 for w in runner._ranks)  # one template a rank
+            assert all(len(w.readers.by_number) == 1 for w in runner._ranks)  # one template a rank
     chunks = STEPS * E * T * RANKS
     assert sent == [True] * chunks  # every step's actions as bytes
     # every step's result but each rank's first (its template, pickled) read as bytes
@@ -733,16 +734,16 @@ def test_direct_transport_pickles_every_reply_after_a_template_the_learner_reads
     """A step's EnvStep holds a node the learner does not know: its template cannot be
     read there, so the learner asks the actor to pickle every reply after it, and the run
     goes on with the threaded runner's trajectories (nothing read as bytes)."""
-    from jaxtraj.runners import ray as ray_module
+    from jaxtraj.runners import bound
 
     read = []
-    reader_call = ray_module._StepReader.__call__
+    reader_call = bound._StepReader.__call__
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(ray_module._StepReader, "__call__",
+        patch.setattr(bound._StepReader, "__call__",
                       lambda self, message: (read.append(message[:1]), reader_call(self, message))[1])
         with ray_runner(make_collector(), _ActorOnlyNodeEnv, transport="direct") as runner:
             got = by_source(runner.run())
-            assert all(not w.readers for w in runner._ranks)  # no template was readable
+            assert all(not w.readers.by_number for w in runner._ranks)  # no template was readable
     assert read == []
     assert sorted(got) == sorted(reference)
     for k in reference:

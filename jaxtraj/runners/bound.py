@@ -243,7 +243,8 @@ class _StepReplies:
     template of its structure, dtypes and shapes (and which arrays are the same: the
     final observation is the observation but where an episode ended); ``_TEMPLATE``
     (pickled, numbered) where it has not; ``None`` (pickled as any reply) where it is not
-    an EnvStep of numeric arrays."""
+    an EnvStep of numeric arrays, or cannot be sent so: what JAX cannot flatten or
+    compare, a template that does not pickle)."""
 
     most = 32  # templates kept (both sides): past it the numbering starts again
 
@@ -255,6 +256,12 @@ class _StepReplies:
     def __call__(self, value: Any, share: float | None) -> bytes | None:
         if type(value) is not EnvStep:
             return None
+        try:
+            return self._compact(value, share)
+        except Exception:  # noqa: BLE001 (pickled as any reply, which says what is wrong)
+            return None
+
+    def _compact(self, value: EnvStep, share: float | None) -> bytes | None:
         leaves, treedef = jax.tree.flatten(tuple(getattr(value, f) for f in _FIELDS))
         layout = _layout(leaves)
         if layout is None:
@@ -265,8 +272,6 @@ class _StepReplies:
             if len(self.sent) == self.most:
                 self.sent.clear()  # the parent's are overwritten as they are sent again
             number = len(self.sent)
-            # (A value that does not pickle raises: the caller pickles it as any reply, and
-            # that says so.)
             message = _TEMPLATE + bytes((number,)) + _dumps((True, value, share))
             self.sent[signature] = number
             return message
@@ -279,8 +284,40 @@ class _StepReplies:
         return b"".join(parts)
 
 
+class _StepReaders:
+    """The parent's side of one connection: its templates, by number, and how to read a
+    ``_RAW`` reply with them."""
+
+    def __init__(self) -> None:
+        self.by_number: dict[int, _StepReader] = {}
+
+    def learn(self, message: bytes, template: EnvStep) -> bool:
+        """Keep a ``_TEMPLATE`` reply's template. False where its tree reads as another
+        one here (a node registered in the other process only): the caller asks the other
+        side to pickle every reply from then on."""
+        try:
+            self.by_number[message[1]] = _StepReader(template)
+        except Exception:  # noqa: BLE001
+            return False
+        return True
+
+    def read(self, message: bytes) -> EnvStep:
+        """The EnvStep of a ``_RAW`` reply.
+
+        Raises:
+          RuntimeError: it names a template this side does not have.
+        """
+        reader = self.by_number.get(message[1])
+        if reader is None:
+            raise RuntimeError(
+                f"a step's result names template {message[1]}, which this side does not "
+                "have (its template could not be read)"
+            )
+        return reader(message)
+
+
 class _StepReader:
-    """The parent's side: how to read a ``_RAW`` reply of one template."""
+    """How to read a ``_RAW`` reply of one template."""
 
     def __init__(self, template: EnvStep):
         leaves, self.treedef = jax.tree.flatten(tuple(getattr(template, f) for f in _FIELDS))
@@ -433,12 +470,7 @@ def _env_process(conn: Any, payload: bytes, name: str) -> None:
             reply(False, _portable(exc, traceback.format_exc()))
             continue
         share = meter.share()
-        message = None
-        if method == "step" and compact is not None:
-            try:
-                message = compact(value, share)
-            except Exception:  # noqa: BLE001 (what JAX cannot flatten or compare: pickled)
-                message = None
+        message = compact(value, share) if method == "step" and compact is not None else None
         if message is None:
             reply(True, value, share)
         else:
@@ -505,7 +537,7 @@ class ProcessBoundEnv(_Bound):
         self._closed = False
         self._finalizer = weakref.finalize(self, _shutdown, self._conn, self._process)
         self._built = False
-        self._readers: dict[int, _StepReader] = {}  # how to read a step's compact result
+        self._readers = _StepReaders()  # how to read a step's compact result
         if wait:
             self.wait_built()
 
@@ -559,27 +591,21 @@ class ProcessBoundEnv(_Bound):
             ) from None
         tag = data[:1]
         if tag == _RAW:
-            reader = self._readers.get(data[1])
-            if reader is None:
-                raise RuntimeError(
-                    f"{self.name}: a step's result names template {data[1]}, which this side "
-                    "does not have (its template could not be read)"
-                )
+            try:
+                out = self._readers.read(data)
+            except RuntimeError as exc:
+                raise RuntimeError(f"{self.name}: {exc}") from None
             (share,) = struct.unpack_from("<d", data, 8)
             self.cpu_share = None if share != share else share
-            return reader(data)
+            return out
         ok, value, share = pickle.loads(memoryview(data)[2:] if tag == _TEMPLATE else data)
         if not ok:
             raise value
-        if tag == _TEMPLATE:
-            try:
-                self._readers[data[1]] = _StepReader(value)
-            except Exception:  # noqa: BLE001 (its tree reads otherwise here: a node
-                # registered in the env's process only): every reply pickled from now on
-                try:
-                    self._conn.send_bytes(_dumps((_PICKLED, (), {})))
-                except OSError:  # the process ended: the next call says so
-                    pass
+        if tag == _TEMPLATE and not self._readers.learn(data, value):
+            try:  # every reply pickled from now on
+                self._conn.send_bytes(_dumps((_PICKLED, (), {})))
+            except OSError:  # the process ended: the next call says so
+                pass
         self.cpu_share = share
         return value
 

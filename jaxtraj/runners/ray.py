@@ -101,7 +101,7 @@ from jaxtraj.runners.bound import (
     _request,
     _send_reply,
     _step_request,
-    _StepReader,
+    _StepReaders,
     _StepReplies,
 )
 from jaxtraj.runners.service import (
@@ -268,10 +268,7 @@ class EnvWorker:
                     else:
                         reply = (True, value)
                         if compact is not None and value[2] is None:
-                            try:
-                                message = compact(value[1], None)
-                            except Exception:  # noqa: BLE001 (what JAX cannot flatten: pickled)
-                                message = None
+                            message = compact(value[1], None)
                     method = "step"
                 else:
                     method, args = pickle.loads(data)
@@ -450,7 +447,7 @@ class _Rank:
     conn: Any = None  # transport="direct": the connection to its actor, once it connected
     loop: Any = None  # transport="direct": the ref of the actor's serve call
     # transport="direct": how to read its connection's steps sent as bytes, by template
-    readers: dict = field(default_factory=dict)
+    readers: _StepReaders = field(default_factory=_StepReaders)
 
     @property
     def name(self) -> str:
@@ -624,7 +621,6 @@ class RayRunner:
         self.restarts = 0  # worker restarts handled over this runner's life
         self.transport, self.direct_address = transport, direct_address
         self._listener: socket.socket | None = None  # transport="direct": where actors dial
-        self._behind: deque = deque()  # see run()
         self._address: tuple | None = None  # the address the actors are given
         self._connected: queue.Queue = queue.Queue()  # (rank index, connection) admitted
         self._liveness_at = 0.0  # when to ask Ray next whether connected actors live
@@ -1093,8 +1089,9 @@ class RayRunner:
             w.pending.append((method, getattr(w.actor, method).remote(*args), payload))
             return True
         message = None
-        if method == "step":  # as bytes where the actions are a numeric array
-            message = _step_request(method, (TrajectoryKey(*args[0]), args[1]), {})
+        if method == "step":  # as bytes where the actions are a numeric array (payload:
+            # the chunk's key)
+            message = _step_request(method, (payload, args[1]), {})
         try:
             w.conn.send_bytes(message or _dumps((method, args)))
         except OSError as exc:  # its process is gone (the answer would not come)
@@ -1197,7 +1194,7 @@ class RayRunner:
                 continue
             w.pending.popleft()
             w.conn, w.progress_at = conn, time.monotonic()
-            w.readers = {}  # a new connection numbers its templates afresh
+            w.readers = _StepReaders()  # a new connection numbers its templates afresh
             if w.started:
                 self._redo(w)
             else:
@@ -1212,14 +1209,10 @@ class RayRunner:
             return
         tag = data[:1]
         if tag == _RAW:  # a step's EnvStep as bytes
-            reader = w.readers.get(data[1])
-            if reader is None:
-                raise RunnerError(w.name, w.key(), RuntimeError(
-                    f"a step's result names template {data[1]}, which the learner does not "
-                    "have (its template could not be read)"), self.delivered)
             try:
-                out = reader(data)
-            except Exception as exc:  # noqa: BLE001 (a reply cut short: named, not a crash)
+                out = w.readers.read(data)
+            except Exception as exc:  # noqa: BLE001 (a template this side lacks, a reply
+                # cut short: named, not a crash)
                 raise RunnerError(w.name, w.key(), exc, self.delivered) from exc
             self._receive(w, (None, out, None))
             return
@@ -1234,11 +1227,8 @@ class RayRunner:
                 f"the actor's answer to {kind} cannot be read in the learner: "
                 f"{type(exc).__name__}: {exc}"), self.delivered) from exc
         if tag == _TEMPLATE:  # a step's EnvStep, and how to read the next of its kind
-            try:
-                w.readers[data[1]] = _StepReader(value)
-            except Exception:  # noqa: BLE001 (its tree reads otherwise here: a node
-                # registered in the actor's process only): every reply pickled from now on
-                try:
+            if not w.readers.learn(data, value):
+                try:  # every reply pickled from now on
                     w.conn.send_bytes(_dumps((_PICKLED, ())))
                 except OSError:  # the connection broke: the next receive says so
                     pass
