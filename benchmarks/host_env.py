@@ -49,10 +49,11 @@ episode), ``K = 4`` actions per chunk, ``T = 16`` chunks per training step, ``E 
 - ``c``, ``c_proc``: :class:`~jaxtraj.runners.threads.DecoupledRunner`, the same setups;
 - ``d``: :class:`~jaxtraj.runners.ray.RayRunner`, two actors (each builds its adapter),
   policy and ``value_fn`` in the learner, one inference for the ranks whose observation
-  is in; ``ray.init(num_cpus=2, ...)``;
-- ``d_direct``: ``d`` with ``transport="direct"``: each actor connects back to the
-  learner once and the chunks go both ways on that connection (Ray places, restarts and
-  kills the actors), instead of a Ray actor call per chunk;
+  is in, ``transport="ray"`` (a Ray actor call per chunk); ``ray.init(num_cpus=2, ...)``;
+- ``d_direct``: ``d`` with ``transport="direct"`` (the default, ``"auto"``, on this
+  one-node cluster): each actor connects back to the learner once and the chunks go
+  both ways on that connection (Ray places, restarts and kills the actors), instead of a
+  Ray actor call per chunk;
 - ``d_actor``: the same with the policy in the actors (``policy="actor"``, its default
   ``chunks_per_call``: one call of a training step's T chunks per actor);
 - ``d4``, ``d4_direct``, ``d4_actor``: ``d``, ``d_direct`` and ``d_actor`` with four actors of B/4 (``sleep1ms``
@@ -198,11 +199,11 @@ LABELS = {
     "b4_proc": "(b4) AsyncRunner, 4 ranks, env processes",
     "c": "(c) DecoupledRunner, 2 ranks",
     "c_proc": "(c) DecoupledRunner, 2 ranks, env processes",
-    "d": "(d) RayRunner, 2 actors",
-    "d_direct": "(d) RayRunner, 2 actors, direct transport",
+    "d": "(d) RayRunner, 2 actors, Ray transport",
+    "d_direct": "(d) RayRunner, 2 actors, direct transport (default on one node)",
     "d_actor": "(d) RayRunner, 2 actors, policy in the actors",
-    "d4": "(d4) RayRunner, 4 actors",
-    "d4_direct": "(d4) RayRunner, 4 actors, direct transport",
+    "d4": "(d4) RayRunner, 4 actors, Ray transport",
+    "d4_direct": "(d4) RayRunner, 4 actors, direct transport (default on one node)",
     "d4_actor": "(d4) RayRunner, 4 actors, policy in the actors",
     "a_1core": "(a) on 1 core",
     "b_1core": "(b) on 1 core",
@@ -666,7 +667,7 @@ class Runner:
             probe.close()
             from jaxtraj.runners.ray import RayRunner
 
-            opts = {}
+            opts = dict(transport="ray")  # d, d4: a Ray actor call per chunk
             if which.endswith("_actor"):  # several chunks in flight per rank
                 opts = dict(policy="actor")  # one call of T chunks per rank and step
             if which.endswith("_direct"):  # chunks on a connection of each actor's own

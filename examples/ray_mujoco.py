@@ -6,8 +6,9 @@ CPU, through :class:`jaxtraj.envs.GymnasiumEnv` (no adapter to write). The learn
 process (this script) runs a small Gaussian MLP policy that emits an action chunk of
 ``K`` actions per call, Sebulba-style: for every rank it infers a chunk, sends the
 actions to the rank's actor and receives what the envs did back (``--transport direct``,
-the default here: on a connection each actor opens to the learner, the step's arrays as
-their bytes, the env half made in the learner; ``ray``: a Ray call per chunk, through the
+which the default ``auto`` picks on one machine: on a connection each actor opens to the
+learner, the step's arrays as their bytes, the env half made in the learner; ``ray``, which
+``auto`` picks on a cluster of several machines: a Ray call per chunk, through the
 object store, the env half made in the actor); the collector joins the halves and flushes one
 ``Trajectory`` per rank and training step. The policy is trained with a few clipped policy-gradient updates per step on
 critic-free discounted returns (``TrajectoryPlan(advantage="returns")``), and every
@@ -15,7 +16,7 @@ update is published with ``runner.update_policy`` (the version travels in
 ``Trajectory.versions``).
 
     pip install -e '.[ray]'            # ray, gymnasium[mujoco], mujoco<4
-    python examples/ray_mujoco.py [--actors 2] [--envs 16] [--iterations 100] [--transport ray]
+    python examples/ray_mujoco.py [--actors 2] [--envs 16] [--iterations 100] [--transport auto]
         [--direct-port 0]
 
 On a cluster, start Ray on every machine (``ray start --head`` on one, ``ray start
@@ -142,17 +143,18 @@ def main():
     )
     parser.add_argument(
         "--transport",
-        choices=("ray", "direct"),
-        default="direct",
+        choices=("auto", "ray", "direct"),
+        default="auto",
         help="how chunks travel: a Ray call each, or each actor's own connection to the "
-        "learner (faster; the actors' nodes must reach the learner's address)",
+        "learner (faster; the actors' nodes must reach the learner's address); auto: "
+        "direct on one machine or with --direct-port, else ray",
     )
     parser.add_argument(
         "--direct-port",
         type=int,
         default=0,
-        help="with --transport direct, the port the learner listens on (one a cluster's "
-        "firewall opens); 0: one the system picks",
+        help="the port the direct transport's learner listens on (one a cluster's "
+        "firewall opens; with --transport auto, asks for direct); 0: one the system picks",
     )
     args = parser.parse_args()
 
@@ -191,7 +193,11 @@ def main():
         num_steps=1,
         actor_options={"num_cpus": args.actor_cpus, "resources": args.actor_resources},
         transport=args.transport,
-        direct_address=(None, args.direct_port) if args.transport == "direct" else None,
+        direct_address=(
+            (None, args.direct_port)
+            if args.transport == "direct" or (args.transport == "auto" and args.direct_port)
+            else None
+        ),
     )
     first = last = None
     with runner:
@@ -216,7 +222,10 @@ def main():
                 f"collect {collect_s:5.2f} s ({steps / collect_s:,.0f} env steps/s)"
             )
         total = time.perf_counter() - t0
-    print(f"return {first:.2f} -> {last:.2f} in {args.iterations} iterations, {total:.1f} s")
+    print(
+        f"return {first:.2f} -> {last:.2f} in {args.iterations} iterations, {total:.1f} s "
+        f"(transport {runner.transport!r})"
+    )
     ray.shutdown()
 
 

@@ -212,13 +212,15 @@ def ray_runner(collector, env_fn=PointEnv, **kw):
 
 @pytest.mark.parametrize(
     "options",
-    [{}, {"transport": "direct"}, {"policy": "actor", "chunks_per_call": 2, "max_in_flight": 2}],
-    ids=["policy_in_learner", "policy_in_learner_direct", "policy_in_actors_batched"],
+    [{"transport": "ray"}, {}, {"policy": "actor", "chunks_per_call": 2, "max_in_flight": 2}],
+    ids=["policy_in_learner_ray", "policy_in_learner_auto", "policy_in_actors_batched"],
 )
 def test_ray_runner_equals_threaded_runner(ray_instance, reference, reference_per_rank, options):
     ref = reference_per_rank if options.get("policy") == "actor" else reference
     with ray_runner(make_collector(), **options) as runner:
         got = by_source(runner.run())
+        # the default on this one-node cluster: the direct transport (policy in the learner)
+        assert runner.transport == options.get("transport", "direct" if not options else "ray")
     assert sorted(got) == sorted(ref)
     for k in ref:
         assert_same(got[k], ref[k])
@@ -391,10 +393,46 @@ def test_direct_transport_names_a_reply_that_cannot_be_sent(ray_instance):
 def test_transport_arguments_are_checked():
     from jaxtraj.runners.ray import RayRunner
 
-    with pytest.raises(ValueError, match="transport must be 'ray' or 'direct', got 'grpc'"):
+    with pytest.raises(
+        ValueError, match="transport must be 'auto', 'ray' or 'direct', got 'grpc'"
+    ):
         RayRunner(make_collector(), PointEnv, policy_fn, PARAMS, transport="grpc")
     with pytest.raises(ValueError, match="transport='direct' carries the chunks of policy='learner'"):
         RayRunner(make_collector(), PointEnv, policy_fn, PARAMS, policy="actor", transport="direct")
+    # the default with the policy in the actors: their results go through Ray
+    assert RayRunner(make_collector(), PointEnv, policy_fn, PARAMS, policy="actor").transport == "ray"
+    # before the actors are made the default is undecided
+    assert RayRunner(make_collector(), PointEnv, policy_fn, PARAMS).transport == "auto"
+
+
+def test_the_default_transport_is_direct_on_one_node_only(ray_instance, monkeypatch):
+    """transport="auto" decides by the cluster's nodes alive: the learner's alone, direct;
+    another node alive (whose firewall may close the learner's ports), or no node of the
+    learner's own (a Ray Client connection), the Ray transport."""
+    from jaxtraj.runners import ray as ray_runners
+
+    assert ray_runners._one_node()  # this test's local cluster
+    here = ray.get_runtime_context().get_node_id()
+    nodes = ray.nodes()
+    other = dict(nodes[0], NodeID="f" * len(here), Alive=True)
+    dead = dict(nodes[0], NodeID="e" * len(here), Alive=False)
+    monkeypatch.setattr(ray, "nodes", lambda: [*nodes, dead])  # a dead node: still one
+    assert ray_runners._one_node()
+    monkeypatch.setattr(ray, "nodes", lambda: [*nodes, other])
+    assert not ray_runners._one_node()
+    runner = ray_runner(make_collector(), num_steps=1)
+    try:
+        runner.actors()
+        assert runner.transport == "ray" and runner._listener is None
+    finally:
+        runner.close()
+
+    def no_node():
+        raise RuntimeError("no node of its own")
+
+    monkeypatch.setattr(ray, "nodes", lambda: nodes)
+    monkeypatch.setattr(ray, "get_runtime_context", no_node)
+    assert not ray_runners._one_node()
 
 
 def _free_port() -> int:
@@ -498,7 +536,7 @@ def test_import_without_ray_says_which_extra(monkeypatch):
 
 @pytest.mark.parametrize(
     "options",
-    [{}, {"transport": "direct"}, {"policy": "actor", "chunks_per_call": 2}],
+    [{"transport": "ray"}, {"transport": "direct"}, {"policy": "actor", "chunks_per_call": 2}],
     ids=["value_in_learner", "value_in_learner_direct", "value_in_actors"],
 )
 def test_terminal_inference_on_the_policy_side_env_actors_need_no_critic(
@@ -633,7 +671,14 @@ def test_direct_address_is_checked():
     from jaxtraj.runners.ray import RayRunner
 
     with pytest.raises(ValueError, match="direct_address is where transport='direct' listens"):
-        RayRunner(make_collector(), PointEnv, policy_fn, PARAMS, direct_address=(None, 0))
+        RayRunner(make_collector(), PointEnv, policy_fn, PARAMS, transport="ray",
+                  direct_address=(None, 0))
+    with pytest.raises(ValueError, match="direct_address is where transport='direct' listens"):
+        RayRunner(make_collector(), PointEnv, policy_fn, PARAMS, policy="actor",
+                  direct_address=(None, 0))
+    # with the default transport an address to listen on asks for the direct one
+    runner = RayRunner(make_collector(), PointEnv, policy_fn, PARAMS, direct_address=(None, 0))
+    assert runner.transport == "direct"
     for bad in [5000, ("h",), ("h", "80"), ("h", 70000), ("h", -1), (1, 80), ("h", True)]:
         with pytest.raises(ValueError, match="direct_address must be \\(host, port\\)"):
             RayRunner(make_collector(), PointEnv, policy_fn, PARAMS, transport="direct",

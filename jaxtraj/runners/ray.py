@@ -16,7 +16,8 @@ consumer in the learner process (the thread calling :meth:`RayRunner.run`) feeds
   row, as in :class:`~jaxtraj.runners.threads.AsyncRunner`). One chunk per rank is in
   flight (the next chunk needs this one's observation); ranks run in parallel. A chunk
   travels as a Ray actor call (``transport="ray"``) or on a connection each actor opens
-  to the learner once (``transport="direct"``: a tenth of the round trip).
+  to the learner once (``transport="direct"``: a tenth of the round trip; the default
+  on a one-node cluster).
 - ``policy="actor"``: a copy of the policy in every env actor. The learner broadcasts
   parameters once per :meth:`RayRunner.update_policy` (``ray.put``); each actor call
   produces ``chunks_per_call`` chunks, both halves, and at most ``max_in_flight`` calls
@@ -378,6 +379,18 @@ _DIRECT = object()
 _EVERY_INTERFACE = ("", "0.0.0.0", "::")  # direct_address hosts that listen on every interface
 
 
+def _one_node() -> bool:
+    """Whether the Ray cluster is this one node (a local ``ray.init()``): every node
+    alive is the learner's, where the actors reach the learner's address for sure.
+    False where it cannot tell (a Ray Client connection, an older Ray)."""
+    try:
+        here = ray.get_runtime_context().get_node_id()
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+    except Exception:  # no node of its own (Ray Client), or an API that differs
+        return False
+    return alive == {here}
+
+
 def _loopback(address: str) -> bool:
     try:
         return ipaddress.ip_address(address).is_loopback
@@ -387,8 +400,9 @@ def _loopback(address: str) -> bool:
 
 def _checked_direct_address(address: Any, transport: str) -> tuple[str | None, int]:
     """``RayRunner``'s ``direct_address``: ``(host, port)``, ``host`` a string or
-    ``None``, ``port`` an int in ``[0, 65535]``; only with ``transport="direct"``."""
-    if transport != "direct":
+    ``None``, ``port`` an int in ``[0, 65535]``; only with ``transport="direct"`` (or
+    ``"auto"``, which it makes direct)."""
+    if transport == "ray":
         raise ValueError(
             f"direct_address is where transport='direct' listens; transport is {transport!r}"
         )
@@ -508,8 +522,14 @@ class RayRunner:
         expected within the wait (as :class:`~jaxtraj.runners.threads.AsyncRunner`'s:
         the trajectories do not depend on the batching).
       transport: with ``policy="learner"``, how a chunk's actions reach its actor and
-        its result comes back. ``"ray"`` (default): a Ray actor call per chunk, through
-        the object store. ``"direct"``: each actor connects back to the learner once
+        its result comes back. ``"auto"`` (default): ``"direct"`` where the Ray cluster
+        is the learner's node alone when the first actors are made (a local
+        ``ray.init()``), and where ``direct_address`` is given; else ``"ray"`` (a cluster
+        of several nodes, whose firewall may close the learner's ports to the actors;
+        ask for ``"direct"`` where they can reach it). The choice is
+        :attr:`transport` once the actors are made. ``"ray"``: a Ray actor call per
+        chunk, through the object store. ``"direct"``: each actor connects back to the
+        learner once
         (TCP; each side proves a key made per runner, HMAC-SHA256 on the other's nonce,
         before anything is unpickled; the learner listens on its node's address, or
         ``direct_address``, which the actors must be able to reach), and the chunks go
@@ -567,20 +587,25 @@ class RayRunner:
         output_queue: Any = None,
         max_batch: int | None = None,
         batch_wait_s: float = 0.0,
-        transport: str = "ray",
+        transport: str = "auto",
         direct_address: tuple[str | None, int] | None = None,
     ):
         if policy not in ("learner", "actor"):
             raise ValueError(f"policy must be 'learner' or 'actor', got {policy!r}")
-        if transport not in ("ray", "direct"):
-            raise ValueError(f"transport must be 'ray' or 'direct', got {transport!r}")
+        if transport not in ("auto", "ray", "direct"):
+            raise ValueError(
+                f"transport must be 'auto', 'ray' or 'direct', got {transport!r}"
+            )
         if transport == "direct" and policy != "learner":
             raise ValueError(
                 "transport='direct' carries the chunks of policy='learner' (with "
                 "policy='actor' the actors' results go through Ray, several chunks a call)"
             )
+        if transport == "auto" and policy == "actor":
+            transport = "ray"  # the actors' results go through Ray, several chunks a call
         if direct_address is not None:
             direct_address = _checked_direct_address(direct_address, transport)
+            transport = "direct"  # an address to listen on: the direct transport asked
         if chunks_per_call is None:  # a training step's chunks per call
             chunks_per_call = collector.plan.num_epochs * collector.plan.num_chunks
         if chunks_per_call < 1 or max_in_flight < 1:
@@ -783,6 +808,8 @@ class RayRunner:
         value_fn = self.value_fn if actor else None
         layout = self.collector.layout if actor else None
         self._check_placement(len(todo))
+        if self.transport == "auto":  # decided once, when the first actors are made
+            self.transport = "direct" if _one_node() else "ray"
         if self.transport == "direct" and self._listener is None:
             self._listen()
         for w in todo:
