@@ -816,7 +816,9 @@ class RayRunner:
             w.actor = cls.remote(
                 self.env_fn, w.rank, self.plan, policy_fn, self._stamp, value_fn, layout
             )
-            w.created_at = time.monotonic()
+        made = time.monotonic()  # one time for the actors made together: named in one warning
+        for w in todo:
+            w.created_at = made
 
     def _check_placement(self, count: int) -> None:
         """Warn when ``count`` new actors can never all be placed on the cluster as it
