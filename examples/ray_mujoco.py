@@ -154,7 +154,8 @@ def main():
         type=int,
         default=0,
         help="the port the direct transport's learner listens on (one a cluster's "
-        "firewall opens; with --transport auto, asks for direct); 0: one the system picks",
+        "firewall opens; with --transport auto, a nonzero port asks for direct); 0: one "
+        "the system picks",
     )
     args = parser.parse_args()
 

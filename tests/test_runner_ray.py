@@ -397,7 +397,7 @@ def test_transport_arguments_are_checked():
         ValueError, match="transport must be 'auto', 'ray' or 'direct', got 'grpc'"
     ):
         RayRunner(make_collector(), PointEnv, policy_fn, PARAMS, transport="grpc")
-    with pytest.raises(ValueError, match="transport='direct' carries the chunks of policy='learner'"):
+    with pytest.raises(ValueError, match="transport='direct' .* carries the chunks of policy='learner'"):
         RayRunner(make_collector(), PointEnv, policy_fn, PARAMS, policy="actor", transport="direct")
     # the default with the policy in the actors: their results go through Ray
     assert RayRunner(make_collector(), PointEnv, policy_fn, PARAMS, policy="actor").transport == "ray"
@@ -427,10 +427,16 @@ def test_the_default_transport_is_direct_on_one_node_only(ray_instance, monkeypa
     finally:
         runner.close()
 
+    monkeypatch.setattr(ray, "nodes", lambda: nodes)
+    assert ray_runners._one_node()
+    # Ray Client: the learner is off the cluster, whatever node id the context gives
+    monkeypatch.setattr(ray.util.client.ray, "is_connected", lambda: True)
+    assert not ray_runners._one_node()
+    monkeypatch.undo()
+
     def no_node():
         raise RuntimeError("no node of its own")
 
-    monkeypatch.setattr(ray, "nodes", lambda: nodes)
     monkeypatch.setattr(ray, "get_runtime_context", no_node)
     assert not ray_runners._one_node()
 
@@ -504,12 +510,13 @@ def test_policy_update_is_broadcast_and_stamped(ray_instance):
     assert all((np.asarray(tr.versions) == 1).all() for tr in second.values())
 
 
-def test_keyboard_interrupt_shuts_the_actors_down(ray_instance):
+@pytest.mark.parametrize("transport", ["ray", "direct"])
+def test_keyboard_interrupt_shuts_the_actors_down(ray_instance, transport):
     def interrupt(queue_key, traj):
         raise KeyboardInterrupt
 
     collector = make_collector()
-    runner = ray_runner(collector, on_flush=interrupt)
+    runner = ray_runner(collector, on_flush=interrupt, transport=transport)
     actors = runner.actors()
     with pytest.raises(KeyboardInterrupt):
         runner.run()
@@ -673,7 +680,7 @@ def test_direct_address_is_checked():
     with pytest.raises(ValueError, match="direct_address is where transport='direct' listens"):
         RayRunner(make_collector(), PointEnv, policy_fn, PARAMS, transport="ray",
                   direct_address=(None, 0))
-    with pytest.raises(ValueError, match="direct_address is where transport='direct' listens"):
+    with pytest.raises(ValueError, match="carries the chunks of policy='learner'"):
         RayRunner(make_collector(), PointEnv, policy_fn, PARAMS, policy="actor",
                   direct_address=(None, 0))
     # with the default transport an address to listen on asks for the direct one

@@ -382,8 +382,11 @@ _EVERY_INTERFACE = ("", "0.0.0.0", "::")  # direct_address hosts that listen on 
 def _one_node() -> bool:
     """Whether the Ray cluster is this one node (a local ``ray.init()``): every node
     alive is the learner's, where the actors reach the learner's address for sure.
-    False where it cannot tell (a Ray Client connection, an older Ray)."""
+    False for a learner connected through Ray Client (off the cluster, whatever node
+    its context names) and where it cannot tell (an older Ray)."""
     try:
+        if ray.util.client.ray.is_connected():
+            return False
         here = ray.get_runtime_context().get_node_id()
         alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
     except Exception:  # no node of its own (Ray Client), or an API that differs
@@ -526,8 +529,10 @@ class RayRunner:
         is the learner's node alone when the first actors are made (a local
         ``ray.init()``), and where ``direct_address`` is given; else ``"ray"`` (a cluster
         of several nodes, whose firewall may close the learner's ports to the actors;
-        ask for ``"direct"`` where they can reach it). The choice is
-        :attr:`transport` once the actors are made. ``"ray"``: a Ray actor call per
+        ask for ``"direct"`` where they can reach it; a learner connected through Ray
+        Client gets ``"ray"``). The choice, made once, is :attr:`transport` once the
+        actors are made: on a cluster that grows after it (an autoscaler adding nodes
+        for the actors) ask for ``"ray"`` unless the new nodes can reach the learner. ``"ray"``: a Ray actor call per
         chunk, through the object store. ``"direct"``: each actor connects back to the
         learner once
         (TCP; each side proves a key made per runner, HMAC-SHA256 on the other's nonce,
@@ -542,8 +547,8 @@ class RayRunner:
         (fast simulators, small batches) are not bound by the transport. Faults are
         handled the same: a closed connection is a dead actor, restarted, restored and
         redoing its chunk. The trajectories do not depend on it.
-      direct_address: with ``transport="direct"``, ``(host, port)`` the learner
-        listens on. ``None`` (default): this node's address (Ray's
+      direct_address: with ``transport="direct"`` (which it asks for with
+        ``"auto"``), ``(host, port)`` the learner listens on. ``None`` (default): this node's address (Ray's
         ``get_node_ip_address``) and a port the system picks. A ``port`` of ``0`` lets
         the system pick; give one where a cluster's firewall opens only some ports.
         ``host`` ``None``: the node's address; ``""``, ``"0.0.0.0"`` or ``"::"``: every
@@ -596,16 +601,17 @@ class RayRunner:
             raise ValueError(
                 f"transport must be 'auto', 'ray' or 'direct', got {transport!r}"
             )
-        if transport == "direct" and policy != "learner":
-            raise ValueError(
-                "transport='direct' carries the chunks of policy='learner' (with "
-                "policy='actor' the actors' results go through Ray, several chunks a call)"
-            )
-        if transport == "auto" and policy == "actor":
-            transport = "ray"  # the actors' results go through Ray, several chunks a call
         if direct_address is not None:
             direct_address = _checked_direct_address(direct_address, transport)
             transport = "direct"  # an address to listen on: the direct transport asked
+        if transport == "direct" and policy != "learner":
+            raise ValueError(
+                "transport='direct' (asked for, or by a direct_address) carries the chunks "
+                "of policy='learner' (with policy='actor' the actors' results go through "
+                "Ray, several chunks a call)"
+            )
+        if transport == "auto" and policy == "actor":
+            transport = "ray"  # the actors' results go through Ray, several chunks a call
         if chunks_per_call is None:  # a training step's chunks per call
             chunks_per_call = collector.plan.num_epochs * collector.plan.num_chunks
         if chunks_per_call < 1 or max_in_flight < 1:
