@@ -194,11 +194,8 @@ def main():
         num_steps=1,
         actor_options={"num_cpus": args.actor_cpus, "resources": args.actor_resources},
         transport=args.transport,
-        direct_address=(
-            (None, args.direct_port)
-            if args.transport == "direct" or (args.transport == "auto" and args.direct_port)
-            else None
-        ),
+        # a port asks for the direct transport (with --transport ray: an error naming both)
+        direct_address=(None, args.direct_port) if args.direct_port or args.transport == "direct" else None,
     )
     first = last = None
     with runner:

@@ -10,8 +10,8 @@ scripts (own processes) set the same flags themselves; the examples run as users
 
 Compiled programs are kept on disk (JAX's persistent compilation cache, in ``.cache/xla``
 beside the checkout, ignored by git): a second run of the suite skips XLA's compiles (on
-2 cores: 25.6 min and 1640 s of CPU for a fresh clone's first run, 19.2 min and 1053 s for
-the next; a first run gains nothing measurable). A hit is the executable a compile would
+2 cores it took a quarter off the suite's time when measured; a fresh clone's first run
+gains nothing measurable; the README gives today's times). A hit is the executable a compile would
 give (keyed by the program, the compile options, the devices and the JAX version), so it
 changes no result. This process only: the processes the tests start (spawned
 env processes, Ray actors, examples, multi-device scripts) compile as users' do. Two of

@@ -219,8 +219,9 @@ def test_ray_runner_equals_threaded_runner(ray_instance, reference, reference_pe
     ref = reference_per_rank if options.get("policy") == "actor" else reference
     with ray_runner(make_collector(), **options) as runner:
         got = by_source(runner.run())
-        # the default on this one-node cluster: the direct transport (policy in the learner)
-        assert runner.transport == options.get("transport", "direct" if not options else "ray")
+        # the default on this one-node cluster: direct (policy in the learner), else Ray
+        want = "ray" if options.get("policy") == "actor" else options.get("transport", "direct")
+        assert runner.transport == want
     assert sorted(got) == sorted(ref)
     for k in ref:
         assert_same(got[k], ref[k])

@@ -527,29 +527,28 @@ class RayRunner:
       transport: with ``policy="learner"``, how a chunk's actions reach its actor and
         its result comes back. ``"auto"`` (default): ``"direct"`` where the Ray cluster
         is the learner's node alone when the first actors are made (a local
-        ``ray.init()``), and where ``direct_address`` is given; else ``"ray"`` (a cluster
-        of several nodes, whose firewall may close the learner's ports to the actors;
-        ask for ``"direct"`` where they can reach it; a learner connected through Ray
-        Client gets ``"ray"``). The choice, made once, is :attr:`transport` once the
-        actors are made: on a cluster that grows after it (an autoscaler adding nodes
-        for the actors) ask for ``"ray"`` unless the new nodes can reach the learner. ``"ray"``: a Ray actor call per
-        chunk, through the object store. ``"direct"``: each actor connects back to the
-        learner once
-        (TCP; each side proves a key made per runner, HMAC-SHA256 on the other's nonce,
-        before anything is unpickled; the learner listens on its node's address, or
-        ``direct_address``, which the actors must be able to reach), and the chunks go
-        both ways on that connection: a step's actions, and the EnvStep it returns
-        (the env half made in the learner from it), as their arrays' bytes where they are
-        numeric numpy arrays, else pickled (an env with ``get_state`` has its results
-        pickled, with the snapshot); Ray
-        still places, restarts and kills the actors. A round trip costs ~0.2 ms
-        against Ray's ~2.6 ms on a 2-core machine, so chunks shorter than a few ms
-        (fast simulators, small batches) are not bound by the transport. Faults are
-        handled the same: a closed connection is a dead actor, restarted, restored and
-        redoing its chunk. The trajectories do not depend on it.
+        ``ray.init()``), and where ``direct_address`` is given; else ``"ray"`` (a
+        cluster of several nodes, whose firewall may close the learner's ports to the
+        actors; ask for ``"direct"`` where they can reach it; a learner connected
+        through Ray Client gets ``"ray"``). The choice, made once, is :attr:`transport`
+        once the actors are made: on a cluster that grows after it (an autoscaler adding
+        nodes for the actors) ask for ``"ray"`` unless the new nodes can reach the
+        learner. ``"ray"``: a Ray actor call per chunk, through the object store.
+        ``"direct"``: each actor connects back to the learner once (TCP; each side
+        proves a key made per runner, HMAC-SHA256 on the other's nonce, before anything
+        is unpickled; the learner listens on its node's address, or ``direct_address``,
+        which the actors must be able to reach), and the chunks go both ways on that
+        connection: a step's actions, and the EnvStep it returns (the env half made in
+        the learner from it), as their arrays' bytes where they are numeric numpy
+        arrays, else pickled (an env with ``get_state`` has its results pickled, with
+        the snapshot); Ray still places, restarts and kills the actors. A round trip
+        costs ~0.2 ms against Ray's ~2.6 ms on a 2-core machine, so chunks shorter than
+        a few ms (fast simulators, small batches) are not bound by the transport. Faults
+        are handled the same: a closed connection is a dead actor, restarted, restored
+        and redoing its chunk. The trajectories do not depend on it.
       direct_address: with ``transport="direct"`` (which it asks for with
-        ``"auto"``), ``(host, port)`` the learner listens on. ``None`` (default): this node's address (Ray's
-        ``get_node_ip_address``) and a port the system picks. A ``port`` of ``0`` lets
+        ``"auto"``), ``(host, port)`` the learner listens on. ``None`` (default): this
+        node's address (Ray's ``get_node_ip_address``) and a port the system picks. A ``port`` of ``0`` lets
         the system pick; give one where a cluster's firewall opens only some ports.
         ``host`` ``None``: the node's address; ``""``, ``"0.0.0.0"`` or ``"::"``: every
         interface (IPv4 and IPv6 with ``"::"`` where the system allows), the actors
