@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
+import os
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -235,3 +238,36 @@ def test_a_tree_this_side_reads_otherwise_is_pickled_from_then_on():
         assert wire.tags == [b"T", b"\x80", b"\x80", b"\x80"]
     finally:
         env.close()
+
+
+class SchedEnv(WireEnv):
+    """Reports the scheduling policy of the thread that built it, and of a thread it
+    started while being built (as EnvPool starts its pool's threads)."""
+
+    def __init__(self, default_policy: bool = False):
+        if default_policy:  # what a factory that wants the default back does
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+        seen = []
+        thread = threading.Thread(target=lambda: seen.append(os.sched_getscheduler(0)))
+        thread.start()
+        thread.join()
+        self.built = (os.sched_getscheduler(0), seen[0])
+
+    def policies(self):
+        return self.built, os.sched_getscheduler(0)
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux's")
+def test_an_env_process_runs_under_sched_batch_unless_its_factory_says_otherwise():
+    before = os.sched_getscheduler(0)
+    env = ProcessBoundEnv(SchedEnv, "sched")
+    try:
+        assert env.policies() == ((os.SCHED_BATCH, os.SCHED_BATCH), os.SCHED_BATCH)
+    finally:
+        env.close()
+    env = ProcessBoundEnv(functools.partial(SchedEnv, True), "sched_default")
+    try:
+        assert env.policies() == ((os.SCHED_OTHER, os.SCHED_OTHER), os.SCHED_OTHER)
+    finally:
+        env.close()
+    assert os.sched_getscheduler(0) == before  # the runner's process is left as it was

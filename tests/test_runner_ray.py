@@ -13,6 +13,7 @@ import importlib
 import os
 import pathlib
 import sys
+import threading
 import time
 
 import jax
@@ -440,6 +441,38 @@ def test_the_default_transport_is_direct_on_one_node_only(ray_instance, monkeypa
 
     monkeypatch.setattr(ray, "get_runtime_context", no_node)
     assert not ray_runners._one_node()
+
+
+class _SchedPointEnv(PointEnv):
+    """Records the scheduling policy of the thread that built it and of a thread it
+    started while being built (as EnvPool starts its pool's threads)."""
+
+    def __init__(self, rank):
+        super().__init__(rank)
+        seen = []
+        thread = threading.Thread(target=lambda: seen.append(os.sched_getscheduler(0)))
+        thread.start()
+        thread.join()
+        self.built = (os.sched_getscheduler(0), seen[0])
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux's")
+@pytest.mark.parametrize("policy", ["learner", "actor"])
+def test_env_actors_run_under_sched_batch_where_the_learner_wakes_them(ray_instance, policy):
+    """With the policy in the learner, as env processes do (tests/test_process_wire.py):
+    an actor woken by the learner every chunk does not take the learner's CPU. With the
+    policy in the actors, the default policy."""
+    before = os.sched_getscheduler(0)
+    want = os.SCHED_BATCH if policy == "learner" else os.SCHED_OTHER
+    runner = ray_runner(make_collector(), env_fn=_SchedPointEnv, num_steps=1, policy=policy)
+    try:
+        for actor in runner.actors():
+            built, now = ray.get(actor.__ray_call__.remote(
+                lambda w: (w.env.built, os.sched_getscheduler(0))), timeout=60)
+            assert built == (want, want) and now == want
+    finally:
+        runner.close()
+    assert os.sched_getscheduler(0) == before  # the learner's process is left as it was
 
 
 def _free_port() -> int:

@@ -97,6 +97,7 @@ from jaxtraj.runners.bound import (
     _RAW,
     _STEP,
     _TEMPLATE,
+    _batch_scheduling,
     _dumps,
     _portable,
     _request,
@@ -159,6 +160,12 @@ class EnvWorker:
       value_fn: terminal inference in the actor (``policy="actor"``: the actor's copy
         of the policy side).
       layout: the collector's layout the values are shaped to.
+      sched_batch: run the actor's thread, and the threads it starts (the env's own), under
+        Linux's ``SCHED_BATCH``, as :class:`RayRunner`'s actors do with the policy in
+        the learner: their wake-up, as the learner sends a chunk's actions, then leaves
+        the learner's thread its CPU, as an env process's does (see
+        :class:`~jaxtraj.runners.bound.ProcessBoundEnv`). Not for an ``EnvWorker`` made
+        in the learner's own process.
     """
 
     def __init__(
@@ -170,7 +177,10 @@ class EnvWorker:
         stamp: bool = True,
         value_fn: ValueFn | None = None,
         layout: Any = None,
+        sched_batch: bool = False,
     ):
+        if sched_batch:  # before env_fn: the env's own threads inherit it
+            _batch_scheduling()
         self.env, self.plan = env_fn(env_rank), plan
         self.policy_fn, self.stamp = policy_fn, stamp
         self.value_fn, self.layout = value_fn, layout
@@ -819,7 +829,8 @@ class RayRunner:
             self._listen()
         for w in todo:
             w.actor = cls.remote(
-                self.env_fn, w.rank, self.plan, policy_fn, self._stamp, value_fn, layout
+                self.env_fn, w.rank, self.plan, policy_fn, self._stamp, value_fn, layout,
+                sched_batch=not actor,  # the learner wakes it every chunk
             )
         made = time.monotonic()  # one time for the actors made together: named in one warning
         for w in todo:
