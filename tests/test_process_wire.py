@@ -260,6 +260,8 @@ class SchedEnv(WireEnv):
 @pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux's")
 def test_an_env_process_runs_under_sched_batch_unless_its_factory_says_otherwise():
     before = os.sched_getscheduler(0)
+    if before != os.SCHED_OTHER:
+        pytest.skip(f"the tests run under scheduling policy {before}, not the default")
     env = ProcessBoundEnv(SchedEnv, "sched")
     try:
         assert env.policies() == ((os.SCHED_BATCH, os.SCHED_BATCH), os.SCHED_BATCH)
@@ -271,3 +273,28 @@ def test_an_env_process_runs_under_sched_batch_unless_its_factory_says_otherwise
     finally:
         env.close()
     assert os.sched_getscheduler(0) == before  # the runner's process is left as it was
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
+def test_an_env_process_keeps_a_policy_it_inherited():
+    """Started from a thread under SCHED_IDLE (a policy set on purpose, as a real-time one
+    would be), the env's process keeps it: only the default policy is changed."""
+    seen = []
+
+    def start():  # a thread of its own: the policy is per thread, the child inherits it
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            env = ProcessBoundEnv(SchedEnv, "sched_idle")
+            try:
+                seen.append(env.policies())
+            finally:
+                env.close()
+        except BaseException as exc:  # noqa: BLE001 (raised below)
+            seen.append(exc)
+
+    thread = threading.Thread(target=start)
+    thread.start()
+    thread.join()
+    if isinstance(seen[0], BaseException):
+        raise seen[0]
+    assert seen[0] == ((os.SCHED_IDLE, os.SCHED_IDLE), os.SCHED_IDLE)

@@ -444,35 +444,51 @@ def test_the_default_transport_is_direct_on_one_node_only(ray_instance, monkeypa
 
 
 class _SchedPointEnv(PointEnv):
-    """Records the scheduling policy of the thread that built it and of a thread it
-    started while being built (as EnvPool starts its pool's threads)."""
+    """Records the scheduling policy of the thread that built it and of a thread it started
+    while being built (as EnvPool starts its pool's threads), and writes the policy of the
+    thread it steps in to ``<log>-<rank>`` (the direct transport's loop holds the actor's
+    thread while connected: no call reaches it then)."""
 
-    def __init__(self, rank):
+    def __init__(self, rank, log):
         super().__init__(rank)
         seen = []
         thread = threading.Thread(target=lambda: seen.append(os.sched_getscheduler(0)))
         thread.start()
         thread.join()
         self.built = (os.sched_getscheduler(0), seen[0])
+        self.log = f"{log}-{rank}"
+
+    def step(self, key, actions):
+        pathlib.Path(self.log).write_text(str(os.sched_getscheduler(0)))
+        return super().step(key, actions)
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux's")
 @pytest.mark.parametrize("policy", ["learner", "actor"])
-def test_env_actors_run_under_sched_batch_where_the_learner_wakes_them(ray_instance, policy):
+def test_env_actors_run_under_sched_batch_where_the_learner_wakes_them(
+    ray_instance, policy, tmp_path
+):
     """With the policy in the learner, as env processes do (tests/test_process_wire.py):
-    an actor woken by the learner every chunk does not take the learner's CPU. With the
-    policy in the actors, the default policy."""
+    an actor woken by the learner every chunk does not take the learner's CPU; its env
+    steps in that thread (the direct transport's loop, the default here). With the policy
+    in the actors, the policy they inherit."""
     before = os.sched_getscheduler(0)
-    want = os.SCHED_BATCH if policy == "learner" else os.SCHED_OTHER
-    runner = ray_runner(make_collector(), env_fn=_SchedPointEnv, num_steps=1, policy=policy)
+    if before != os.SCHED_OTHER:
+        pytest.skip(f"the tests run under scheduling policy {before}, not the default")
+    want = os.SCHED_BATCH if policy == "learner" else before
+    log = str(tmp_path / "stepped")
+    env_fn = functools.partial(_SchedPointEnv, log=log)
+    runner = ray_runner(make_collector(), env_fn=env_fn, num_steps=1, policy=policy)
     try:
-        for actor in runner.actors():
-            built, now = ray.get(actor.__ray_call__.remote(
+        for actor in runner.actors():  # before the run: the direct loop not yet started
+            got = ray.get(actor.__ray_call__.remote(
                 lambda w: (w.env.built, os.sched_getscheduler(0))), timeout=60)
-            assert built == (want, want) and now == want
+            assert got == ((want, want), want)
+        assert len(runner.run()) == RANKS
     finally:
         runner.close()
-    assert os.sched_getscheduler(0) == before  # the learner's process is left as it was
+    assert [int(pathlib.Path(f"{log}-{r}").read_text()) for r in range(RANKS)] == [want] * RANKS
+    assert os.sched_getscheduler(0) == before  # the learner's thread is left as it was
 
 
 def _free_port() -> int:

@@ -415,15 +415,18 @@ def _send_reply(conn: Any, reply: tuple, to: str) -> None:
 
 def _batch_scheduling() -> None:
     """Run the calling thread, and the threads it starts from now on, under Linux's
-    ``SCHED_BATCH`` (why: :class:`ProcessBoundEnv`); nothing where the platform has no
-    such policy or refuses it."""
+    ``SCHED_BATCH`` (why: :class:`ProcessBoundEnv`), where it runs under the default
+    policy: a real-time or idle policy it inherited is kept. Nothing where the platform
+    has no such policy or refuses it."""
     policy = getattr(os, "SCHED_BATCH", None)
     setter = getattr(os, "sched_setscheduler", None)
-    if policy is not None and setter is not None:
-        try:
+    if policy is None or setter is None:
+        return
+    try:
+        if os.sched_getscheduler(0) == os.SCHED_OTHER:
             setter(0, policy, os.sched_param(0))
-        except OSError:
-            pass
+    except OSError:
+        pass
 
 
 def _env_process(conn: Any, payload: bytes, name: str) -> None:
@@ -510,13 +513,18 @@ class ProcessBoundEnv(_Bound):
     cross as their arrays' bytes where they are numeric numpy arrays, about half the
     pickling's cost).
 
-    On Linux the process runs under ``SCHED_BATCH`` (set before the factory is called, so
-    the env's own threads inherit it): the same nice level and share of the CPUs, but
-    its wake-up, as the runner's thread sends it a chunk's actions, does not take the
-    CPU from that thread, which goes on serving the other ranks (measured on 2 cores,
-    gymnasium Hopper in 2 env processes: the two sends of a chunk took 0.33 ms of the
-    runner's thread, 0.04 ms so). A factory that wants the default policy back sets it:
-    ``os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))``.
+    On Linux the process's thread runs under ``SCHED_BATCH`` where it would run under the
+    default policy (an inherited real-time or idle policy is kept), set before the factory
+    is called so that the threads the env starts (EnvPool's) inherit it: the same nice
+    level and share of the CPUs, but its wake-up, as the runner's thread sends it a
+    chunk's actions, no longer preempts that thread, which goes on serving the other
+    ranks (on 2 cores, gymnasium Hopper in 2 env processes: the two sends of a chunk took
+    0.33 ms of the runner's thread under the default policy, 0.04 ms under
+    ``SCHED_BATCH``). The price: woken while every CPU is busy, the env waits for the
+    running thread's turn to end (a few ms at most) instead of taking its CPU. An env
+    whose own timing matters (a robot's control loop, woken by its hardware on time) sets
+    another policy first thing in its factory, before it builds anything:
+    ``os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))``, or a real-time one.
 
     The process is started with ``multiprocessing``'s ``spawn`` method (forking a
     process that runs JAX's threads is unsafe): the factory must be picklable (a

@@ -160,12 +160,14 @@ class EnvWorker:
       value_fn: terminal inference in the actor (``policy="actor"``: the actor's copy
         of the policy side).
       layout: the collector's layout the values are shaped to.
-      sched_batch: run the actor's thread, and the threads it starts (the env's own), under
-        Linux's ``SCHED_BATCH``, as :class:`RayRunner`'s actors do with the policy in
-        the learner: their wake-up, as the learner sends a chunk's actions, then leaves
-        the learner's thread its CPU, as an env process's does (see
-        :class:`~jaxtraj.runners.bound.ProcessBoundEnv`). Not for an ``EnvWorker`` made
-        in the learner's own process.
+      sched_batch: run the actor's thread, and the threads it starts from then on (the
+        env's own), under Linux's ``SCHED_BATCH`` where it runs under the default
+        policy, as :class:`RayRunner`'s actors do with the policy in the learner: the
+        learner wakes them every chunk, and their waking then no longer preempts it (as
+        an env process's: why, the price, and how an env opts out, first thing in its
+        ``env_fn``: :class:`~jaxtraj.runners.bound.ProcessBoundEnv`). Ray's own threads in
+        the actor, started before, keep their policy. Not for an ``EnvWorker`` made in
+        the learner's own process.
     """
 
     def __init__(
@@ -514,7 +516,8 @@ class RayRunner:
       seed: base seed of :func:`~jaxtraj.runners.service.key_rng` (the row keys are
         computed in the learner, one training step at a time, also when the policy runs
         in the actors).
-      policy: ``"learner"`` (Sebulba-style) or ``"actor"``.
+      policy: ``"learner"`` (Sebulba-style) or ``"actor"``. With ``"learner"`` the
+        actors run under Linux's ``SCHED_BATCH`` (see :class:`EnvWorker`).
       chunks_per_call: with ``policy="actor"``, chunks per actor call (batched in one
         transfer). Default: a training step's (``num_epochs * num_chunks``), one call
         per rank and training step, the fastest measured (the parameters cannot change

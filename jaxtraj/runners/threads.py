@@ -191,7 +191,9 @@ class AsyncRunner:
         simulators (gymnasium MuJoCo) need to run in parallel with inference and with
         each other, as threads of one process share its GIL. Processes need picklable
         factories and a script guarded by ``if __name__ == "__main__":``; a chunk costs
-        a pipe round trip. Trajectories do not depend on it. :meth:`close` (or ``with``)
+        a pipe round trip. On Linux the env processes run under ``SCHED_BATCH`` (why,
+        the price, and how an env opts out:
+        :class:`~jaxtraj.runners.bound.ProcessBoundEnv`). Trajectories do not depend on it. :meth:`close` (or ``with``)
         ends the threads or processes.
 
     A runner carries across calls: each :meth:`run` collects the training steps after
