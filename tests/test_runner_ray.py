@@ -405,6 +405,9 @@ def test_transport_arguments_are_checked():
     assert RayRunner(make_collector(), PointEnv, policy_fn, PARAMS, policy="actor").transport == "ray"
     # before the actors are made the default is undecided
     assert RayRunner(make_collector(), PointEnv, policy_fn, PARAMS).transport == "auto"
+    # env ranks the collector does not own: refused before any actor is made
+    with pytest.raises(ValueError, match=f"env rank {RANKS} \\(stage 0\\) is not a source"):
+        RayRunner(make_collector(), PointEnv, policy_fn, PARAMS, env_ranks=[0, RANKS])
 
 
 def test_the_default_transport_is_direct_on_one_node_only(ray_instance, monkeypatch):

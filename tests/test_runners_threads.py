@@ -727,6 +727,25 @@ def test_run_returns_items_by_env_rank_and_stack_ranks_stacks_one_step():
         stack_ranks(items + [("default", ref[(0, 0)].replace(step_id=np.int32(1)))])
 
 
+def test_env_ranks_the_collector_does_not_own_are_refused_before_any_env_is_built():
+    built = []
+
+    def factory(r):
+        built.append(r)
+        return PointEnv(r)
+
+    envs = [functools.partial(factory, r) for r in range(RANKS + 1)]
+    with pytest.raises(ValueError, match=rf"env rank {RANKS} \(stage 0\) is not a source this "
+                       rf"collector owns .*{RANKS + 1} env ranks for a plan of num_env_ranks="
+                       rf"{RANKS}"):
+        AsyncRunner(make_collector(), envs, policy_fn, PARAMS)
+    with pytest.raises(ValueError, match=r"env rank 0 is given twice \(env_ranks \[0, 0\]\)"):
+        AsyncRunner(make_collector(), envs[:2], policy_fn, PARAMS, env_ranks=[0, 0])
+    with pytest.raises(ValueError, match="env rank 0 \\(stage 1\\) is not a source"):
+        AsyncRunner(make_collector(), envs[:1], policy_fn, PARAMS, stage_id=1)
+    assert built == []
+
+
 def test_env_factories_run_in_a_thread_of_their_own_and_bad_ones_name_the_rank():
     from jaxtraj.runners.bound import ThreadBoundEnv
 
@@ -741,10 +760,15 @@ def test_env_factories_run_in_a_thread_of_their_own_and_bad_ones_name_the_rank()
             stepped_in.setdefault(self.rank, set()).add(threading.current_thread().name)
             return super().step(key, actions)
 
+        def where(self, tag):  # an env's own method, called by the user through the runner
+            return tag, threading.current_thread().name
+
     ref = sync_reference(2)
     runner = AsyncRunner(make_collector(), [lambda r=r: Recording(r) for r in range(RANKS)],
                          policy_fn, PARAMS, seed=SEED)
     assert all(isinstance(env, ThreadBoundEnv) for env in runner.envs)
+    for r, env in enumerate(runner.envs):  # its methods run in its thread, attributes read
+        assert env.where(tag=r) == (r, f"jaxtraj-env_worker_{r}") and env.rank == r
     got = {}
     for _ in range(2):  # two runs: new worker threads, the same env threads
         got.update({(int(tr.step_id), int(tr.env_rank)): tr for _, tr in runner.run()})
@@ -874,6 +898,12 @@ def test_process_workers_bad_factories_and_crashes_name_the_rank():
                     PARAMS, env_workers="process")
     with pytest.raises(ValueError, match="env_workers must be 'thread' or 'process'"):
         AsyncRunner(make_collector(), [PointEnv(0)], policy_fn, PARAMS, env_workers="fork")
+    # A process that ends before its env is built (a script without the __main__ guard
+    # re-running itself in the child): named, with what to check.
+    with pytest.raises(RunnerError, match=r"env_worker_0.*exit code 2\) before its env was "
+                       r"built.*if __name__ == \"__main__\":"):
+        AsyncRunner(make_collector(), [functools.partial(os._exit, 2)], policy_fn, PARAMS,
+                    env_workers="process")
     with pytest.raises(TypeError, match="env_worker_1: the env factory .* cannot be sent"):
         ProcessBoundEnv(_locked_factory(), "env_worker_1")  # refused before any process
     with pytest.raises(TypeError, match="env_worker_1: the env factory returned int, not an"):

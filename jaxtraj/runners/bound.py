@@ -80,7 +80,10 @@ class _Bound:
 
 class ThreadBoundEnv(_Bound):
     """An environment built by ``factory()`` in a thread of its own; every method call is
-    executed there. Attributes (``num_envs``, ``seed``, ...) read the env's own.
+    executed there, the env's own methods too (``env.render()``, ``env.my_method(x)``:
+    the call is handed to the env's thread and its result handed back). Attributes that
+    are not methods (``num_envs``, ``seed``, ...) read the env's own, in the caller's
+    thread.
 
     Args:
       factory: builds the environment (``reset()``, ``step(key, actions)``; the
@@ -161,10 +164,19 @@ class ThreadBoundEnv(_Bound):
             self._calls.put(_STOP)
             self._thread.join()
 
+    def sub_env_seeds(self) -> list[int] | None:
+        """The seeds the env gives its sub-environments (its attributes, read here)."""
+        from jaxtraj.runners.service import sub_env_seeds
+
+        return sub_env_seeds(self._env)
+
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
             raise AttributeError(name)
-        return getattr(self._env, name)
+        value = getattr(self._env, name)
+        if callable(value):  # a method: executed in the env's thread, as reset and step
+            return functools.partial(self.call, name)
+        return value
 
 
 # --------------------------------------------------------------------------- processes
@@ -500,6 +512,10 @@ class _Callable:
     """Marker: the attribute asked for is a method of the env (called remotely)."""
 
 
+class _ProcessEnded(RuntimeError):
+    """The env's process ended (its pipe closed) instead of answering."""
+
+
 class ProcessBoundEnv(_Bound):
     """An environment built by ``factory()`` in a process of its own; every method call
     is executed there, its arguments and result pickled across a pipe (a chunk's step,
@@ -587,6 +603,15 @@ class ProcessBoundEnv(_Bound):
                 return
             try:
                 self._receive()
+            except _ProcessEnded as exc:  # before it could answer
+                self._closed = True
+                self._finalizer()
+                raise RuntimeError(
+                    f"{exc} before its env was built: its output above says why. A script "
+                    "that starts env processes must guard its entry point with "
+                    "`if __name__ == \"__main__\":` (the process imports the script's "
+                    "module, multiprocessing's spawn)"
+                ) from None
             except BaseException:
                 self._closed = True
                 self._finalizer()
@@ -618,7 +643,7 @@ class ProcessBoundEnv(_Bound):
             data = self._conn.recv_bytes()
         except (EOFError, OSError):
             self._process.join(1.0)
-            raise RuntimeError(
+            raise _ProcessEnded(
                 f"{self.name}: the env's process ended (exit code {self._process.exitcode})"
             ) from None
         tag = data[:1]

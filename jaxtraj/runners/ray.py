@@ -117,6 +117,7 @@ from jaxtraj.runners.service import (
     ValueFn,
     _Due,
     action_spec,
+    check_env_ranks,
     checked_batch_wait,
     chunk_keys,
     complete_env_part,
@@ -641,6 +642,7 @@ class RayRunner:
         self.value_fn = value_fn
         ranks = range(self.plan.num_env_ranks) if env_ranks is None else env_ranks
         self.env_ranks = [int(r) for r in ranks]
+        check_env_ranks(collector, self.env_ranks, stage_id)
         self.num_steps, self.step_id, self.stage_id = num_steps, step_id, stage_id
         self.seed, self.on_flush, self.output_queue = seed, on_flush, output_queue
         self.chunks_per_call, self.max_in_flight = chunks_per_call, max_in_flight

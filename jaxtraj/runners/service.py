@@ -369,6 +369,26 @@ def sub_env_seeds(env: Any) -> list[int] | None:
     return [int(seed) + i for i in range(int(n))]
 
 
+def check_env_ranks(collector: TrajectoryCollector, ranks: Sequence[int], stage_id: int) -> None:
+    """Refuse, before any env is built, an env rank given twice or one whose
+    ``(env_rank, stage_id)`` source the collector does not own (its halves would be
+    refused at the first insert, after the envs were built and stepped): ``ValueError``
+    naming the rank, the sources owned and the plan's ``num_env_ranks``."""
+    owned = set(collector.sources)
+    seen: set[int] = set()
+    for rank in ranks:
+        if rank in seen:
+            raise ValueError(f"env rank {rank} is given twice (env_ranks {list(ranks)})")
+        seen.add(rank)
+        if (int(rank), int(stage_id)) not in owned:
+            raise ValueError(
+                f"env rank {rank} (stage {stage_id}) is not a source this collector owns "
+                f"({sorted(owned)}): {len(ranks)} env ranks for a plan of num_env_ranks="
+                f"{collector.plan.num_env_ranks}. Give one env per env rank of the plan, or "
+                "env_ranks= naming ranks the collector owns"
+            )
+
+
 def check_seeds(envs: Sequence[Any], ranks: Sequence[int]) -> None:
     """Refuse env ranks whose sub-environments share a seed (identical starting states,
     correlated data): ``ValueError`` naming the ranks and the seeds.

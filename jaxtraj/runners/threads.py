@@ -73,6 +73,7 @@ from jaxtraj.runners.service import (  # noqa: F401  (re-exported: the public na
     _Due,
     action_spec,
     check_env,
+    check_env_ranks,
     check_seeds,
     checked_batch_wait,
     chunk_keys,
@@ -112,6 +113,10 @@ class AsyncRunner:
         rendering to a thread needs (a MuJoCo camera renders black from another thread).
         A factory that raises, or returns something that is not an env, is a
         :class:`RunnerError` naming the rank; the ranks built before it are closed.
+        :attr:`envs` holds them, one per rank, those built from factories wrapped
+        (their methods run where the env lives). An env rank the collector does not own
+        (more envs than the plan's ``num_env_ranks``), or one given twice, is a
+        ``ValueError`` before any env is built.
       policy_fn: ``policy_fn(params, obs, rng) -> PolicyOutput`` for ``N`` rows: ``obs``
         leaves ``[N, ...]``, ``rng`` ``[N, 2]``, one PRNG key per row
         (:data:`~jaxtraj.runners.service.PolicyFn`). One call serves every rank whose
@@ -119,7 +124,8 @@ class AsyncRunner:
         order, the rows of ranks not in the call padding (copies, dropped). Chunk
         ``key``'s rows get ``row_rngs(key_rng(seed, key), B)``, so a row's sample never
         depends on the batching. The runner stamps ``versions`` with the current model
-        version.
+        version, where the collector keeps them (its example policy output has
+        ``versions``; else they stay ``None``).
       params: the initial policy parameters (version 0).
       value_fn: ``value_fn(params, obs) -> [B]``, terminal inference on the policy side:
         the policy worker computes ``final_values = value_fn(params, EnvStep.final_obs)``
@@ -240,6 +246,7 @@ class AsyncRunner:
         self.env_ranks = list(range(len(envs)) if env_ranks is None else env_ranks)
         if len(self.env_ranks) != len(envs):
             raise ValueError(f"{len(envs)} envs but {len(self.env_ranks)} env_ranks")
+        check_env_ranks(collector, self.env_ranks, stage_id)
         if env_workers not in ("thread", "process"):
             raise ValueError(f"env_workers must be 'thread' or 'process', got {env_workers!r}")
         if num_steps < 1:
