@@ -342,7 +342,9 @@ class AsyncRunner:
 
         Returns:
           The flushed ``(queue_key, item)`` pairs when neither ``on_flush`` nor
-          ``output_queue`` is given, else ``[]``; in the order of
+          ``output_queue`` is given, else ``[]`` (the queue key routes an item to its
+          consumer: ``plan.queue_key``, ``"default"``, for rollout trajectories,
+          ``"actor_<r>"`` for pipeline micro-batches); in the order of
           :func:`~jaxtraj.runners.service.rank_order` (by training step, epoch, then env
           rank): :func:`~jaxtraj.runners.service.stack_ranks` stacks one step's for one
           update.
