@@ -21,8 +21,8 @@ update is published with ``runner.update_policy`` (the version travels in
 
 On a cluster, start Ray on every machine (``ray start --head`` on one, ``ray start
 --address=HEAD:6379`` on the others) and run the same script on the learner node with
-``RAY_ADDRESS=HEAD:6379`` (or ``--address``); see the README for placing the env actors
-on CPU nodes and the learner on an accelerator node.
+``RAY_ADDRESS=HEAD:6379`` (or ``--address``); see docs/guides/ray.md for placing the env
+actors on CPU nodes and the learner on an accelerator node.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def init_params(rng, hidden=64):
         "b1": jnp.zeros((hidden,)),
         "w2": 0.01 * jax.random.normal(k2, (hidden, K * ACT)),
         "b2": jnp.zeros((K * ACT,)),
-        "log_std": jnp.full((K * ACT,), -0.5),
+        "log_std": jnp.full((K * ACT,), -0.5, jnp.float32),  # not weak-typed: no recompile
     }
 
 
@@ -128,12 +128,14 @@ def make_update(plan, optimizer, clip=0.2):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--actors", type=int, default=2, help="env actors (env ranks)")
     parser.add_argument("--envs", type=int, default=16, help="environments per actor")
     parser.add_argument("--iterations", type=int, default=100, help="training steps")
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--address", default=None, help="a Ray cluster (default: RAY_ADDRESS)")
+    parser.add_argument("--lr", type=float, default=3e-3, help="Adam's learning rate")
+    parser.add_argument("--address", default=None,
+                        help="a Ray cluster's address; none: RAY_ADDRESS, else a local Ray")
     parser.add_argument("--actor-cpus", type=float, default=0.5, help="CPUs each env actor asks")
     parser.add_argument(
         "--actor-resources",

@@ -408,6 +408,9 @@ def test_transport_arguments_are_checked():
     # env ranks the collector does not own: refused before any actor is made
     with pytest.raises(ValueError, match=f"env rank {RANKS} \\(stage 0\\) is not a source"):
         RayRunner(make_collector(), PointEnv, policy_fn, PARAMS, env_ranks=[0, RANKS])
+    # AsyncRunner's list of factories: named, before any actor is made
+    with pytest.raises(TypeError, match="env_fn must be one callable.*got list"):
+        RayRunner(make_collector(), [PointEnv, PointEnv], policy_fn, PARAMS)
 
 
 def test_the_default_transport_is_direct_on_one_node_only(ray_instance, monkeypatch):

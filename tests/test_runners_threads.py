@@ -736,8 +736,8 @@ def test_env_ranks_the_collector_does_not_own_are_refused_before_any_env_is_buil
 
     envs = [functools.partial(factory, r) for r in range(RANKS + 1)]
     with pytest.raises(ValueError, match=rf"env rank {RANKS} \(stage 0\) is not a source this "
-                       rf"collector owns .*{RANKS + 1} env ranks for a plan of num_env_ranks="
-                       rf"{RANKS}"):
+                       rf"collector owns .*plan.num_env_ranks={RANKS}\): a runner's env ranks "
+                       rf"must be among them \(env ranks \[0, 1, {RANKS}\]"):
         AsyncRunner(make_collector(), envs, policy_fn, PARAMS)
     with pytest.raises(ValueError, match=r"env rank 0 is given twice \(env_ranks \[0, 0\]\)"):
         AsyncRunner(make_collector(), envs[:2], policy_fn, PARAMS, env_ranks=[0, 0])

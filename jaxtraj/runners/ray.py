@@ -34,7 +34,9 @@ and copied once by the collector into its staging. The same transport-independen
 service-loop logic as the threaded runner (:mod:`jaxtraj.runners.service`): chunk keys,
 key-derived randomness (:func:`~jaxtraj.runners.service.key_rng`), version stamping,
 env halves, the consumer; so a Ray run equals an :class:`~jaxtraj.runners.threads.AsyncRunner`
-run over the same environments, policy, seeds and keys.
+run over the same environments, policy, seeds and keys (with ``policy="actor"``, an
+``AsyncRunner(max_batch=1)`` run: a policy call per rank's chunk, whose numerics, a
+matmul's, may differ in the last bits from a call on every rank's rows).
 
 Faults. A worker whose process dies (``RayActorError``) is restarted by Ray (the runner
 allows ``max_restarts`` failures without progress) and redoes its chunk from the last
@@ -496,7 +498,9 @@ class RayRunner:
     Args:
       collector: the :class:`TrajectoryCollector` to feed; only the thread calling
         :meth:`run` touches it.
-      env_fn: ``env_fn(env_rank) -> Env``, picklable; called in each actor's process.
+      env_fn: ``env_fn(env_rank) -> Env``, picklable; called in each actor's process
+        with the actor's env rank (one callable for every rank, not
+        :class:`~jaxtraj.runners.threads.AsyncRunner`'s list of factories).
       policy_fn: ``policy_fn(params, obs, rng) -> PolicyOutput`` for ``N`` rows, ``rng``
         ``[N, 2]`` a PRNG key per row (:data:`~jaxtraj.runners.service.PolicyFn`;
         picklable when ``policy="actor"``); the runner stamps ``versions``. In the
@@ -509,7 +513,9 @@ class RayRunner:
         EnvStep.final_obs)`` for the chunks that need them, in the learner (or, with
         ``policy="actor"``, in the actor's copy of the policy side, with the parameters
         it was sent), so the environments need no critic. ``None``: env halves carry
-        the env's own ``EnvStep.final_values`` (or none).
+        the env's own ``EnvStep.final_values`` (or none): the :mod:`jaxtraj.envs`
+        adapters give none, so with them a run stops at its first chunk that needs one
+        (``MISSING_FINAL_VALUES``) unless ``value_fn`` is given.
       num_steps: training steps each :meth:`run` collects.
       step_id: the first training step.
       stage_id: the stage of every key.
@@ -577,8 +583,8 @@ class RayRunner:
         ray.init()                                   # or RAY_ADDRESS=... for a cluster
         with RayRunner(collector, make_env, policy_fn, params, num_steps=1) as runner:
             for it in range(iterations):
-                (queue_key, traj), = runner.run()    # one training step, every rank
-                params = train(params, traj)
+                items = runner.run()                 # one training step, every rank
+                params = train(params, stack_ranks(items))  # [R, E, T, B, ...]
                 runner.update_policy(params)
     """
 
@@ -643,6 +649,12 @@ class RayRunner:
         ranks = range(self.plan.num_env_ranks) if env_ranks is None else env_ranks
         self.env_ranks = [int(r) for r in ranks]
         check_env_ranks(collector, self.env_ranks, stage_id)
+        if not callable(env_fn):
+            raise TypeError(
+                f"env_fn must be one callable, env_fn(env_rank) -> Env, called in each actor "
+                f"with its rank; got {type(env_fn).__name__} (a list of factories is "
+                "AsyncRunner's: give RayRunner e.g. lambda rank: factories[rank])"
+            )
         self.num_steps, self.step_id, self.stage_id = num_steps, step_id, stage_id
         self.seed, self.on_flush, self.output_queue = seed, on_flush, output_queue
         self.chunks_per_call, self.max_in_flight = chunks_per_call, max_in_flight

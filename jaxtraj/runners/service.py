@@ -383,9 +383,9 @@ def check_env_ranks(collector: TrajectoryCollector, ranks: Sequence[int], stage_
         if (int(rank), int(stage_id)) not in owned:
             raise ValueError(
                 f"env rank {rank} (stage {stage_id}) is not a source this collector owns "
-                f"({sorted(owned)}): {len(ranks)} env ranks for a plan of num_env_ranks="
-                f"{collector.plan.num_env_ranks}. Give one env per env rank of the plan, or "
-                "env_ranks= naming ranks the collector owns"
+                f"({sorted(owned)}; plan.num_env_ranks={collector.plan.num_env_ranks}): a "
+                f"runner's env ranks must be among them (env ranks {list(ranks)}; by default "
+                "0, 1, ... one per env, or per rank of the plan)"
             )
 
 
@@ -437,7 +437,10 @@ def stack_ranks(items: list[tuple[str, Any]]) -> Any:
         raise ValueError("stack_ranks: no items")
     steps = {int(np.asarray(getattr(it, "step_id", 0)).reshape(-1)[0]) for _, it in items}
     if len(steps) != 1:
-        raise ValueError(f"stack_ranks: the items are of several training steps {sorted(steps)}")
+        raise ValueError(
+            f"stack_ranks: the items are of several training steps {sorted(steps)}: stack "
+            "one step's (run(num_steps=1), or the items of one step_id)"
+        )
     trees = [it for _, it in items]
     first = jax.tree.structure(trees[0])
     for (key, _), tree in zip(items, trees):
