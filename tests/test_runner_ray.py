@@ -351,6 +351,23 @@ def test_environment_exception_names_worker_and_key(ray_instance, transport):
     assert "simulator crashed" in str(info.value) and runner.restarts == 0
 
 
+def _env_failing_to_build(rank):
+    if rank == 1:
+        raise OSError("no licence for the simulator")
+    return PointEnv(rank)
+
+
+def test_an_env_that_cannot_be_built_names_the_worker_without_colour_codes(ray_instance):
+    """A factory that raises in its actor: the error names the rank and says the factory's
+    exception, without the terminal colour codes Ray's error text carries."""
+    runner = ray_runner(make_collector(), _env_failing_to_build, num_steps=1, max_restarts=0)
+    with pytest.raises(RunnerError) as info:
+        runner.run()
+    assert info.value.worker == "env_worker_1"
+    said = str(info.value)
+    assert "no licence for the simulator" in said and "\x1b" not in said
+
+
 def _short_logprobs(params, obs, rng):
     out = policy_fn(params, obs, rng)
     return out.replace(prev_logprobs=out.prev_logprobs[:, :-1])

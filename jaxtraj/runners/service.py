@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -64,7 +65,12 @@ class RunnerError(RuntimeError):
 
     def __init__(self, worker: str, key: tuple | None, cause: BaseException, delivered: int = 0):
         self.worker, self.key, self.cause, self.delivered = worker, key, cause, delivered
-        super().__init__(f"{worker} failed at key {key}: {type(cause).__name__}: {cause}")
+        # A terminal's colour codes (Ray's errors carry them) are not part of the message.
+        said = _COLOUR.sub("", str(cause))
+        super().__init__(f"{worker} failed at key {key}: {type(cause).__name__}: {said}")
+
+
+_COLOUR = re.compile(r"\x1b\[[0-9;]*m")
 
 
 @dataclass(frozen=True)
