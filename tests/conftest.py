@@ -11,9 +11,9 @@ scripts (own processes) set the same flags themselves; the examples run as users
 Compiled programs are kept on disk (JAX's persistent compilation cache, in ``.cache/xla``
 beside the checkout, ignored by git): a second run of the suite skips XLA's compiles (on
 2 cores it took a quarter off the suite's time when measured; a fresh clone's first run
-gains nothing measurable; the README gives today's times). A hit is the executable a compile would
-give (keyed by the program, the compile options, the devices and the JAX version), so it
-changes no result. This process only: the processes the tests start (spawned
+gains nothing measurable; the README gives today's times). A hit is the executable a
+compile would give (keyed by the program, the compile options, the devices and the JAX
+version), so it changes no result. This process only: the processes the tests start (spawned
 env processes, Ray actors, examples, multi-device scripts) compile as users' do. Two of
 this process's threads compiling one program at once can read an entry while it is
 written; JAX then warns and compiles (``pyproject.toml`` lets that warning pass).

@@ -35,7 +35,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxtraj.runners.service import EnvStep
+from jaxtraj.runners.service import EnvStep, sub_env_seeds
 from jaxtraj.types import TrajectoryKey
 
 _STOP = object()
@@ -166,8 +166,6 @@ class ThreadBoundEnv(_Bound):
 
     def sub_env_seeds(self) -> list[int] | None:
         """The seeds the env gives its sub-environments (its attributes, read here)."""
-        from jaxtraj.runners.service import sub_env_seeds
-
         return sub_env_seeds(self._env)
 
     def __getattr__(self, name: str) -> Any:
@@ -492,8 +490,6 @@ def _env_process(conn: Any, payload: bytes, name: str) -> None:
                 # A method is called remotely (a proxy), never shipped with its env.
                 value = _Callable if callable(value) else value
             elif method == "sub_env_seeds":
-                from jaxtraj.runners.service import sub_env_seeds
-
                 value = sub_env_seeds(env)
             else:
                 value = getattr(env, method)(*args, **kwargs)
@@ -603,18 +599,16 @@ class ProcessBoundEnv(_Bound):
                 return
             try:
                 self._receive()
-            except _ProcessEnded as exc:  # before it could answer
+            except BaseException as exc:
                 self._closed = True
                 self._finalizer()
-                raise RuntimeError(
-                    f"{exc} before its env was built: its output above says why. A script "
-                    "that starts env processes must guard its entry point with "
-                    "`if __name__ == \"__main__\":` (the process imports the script's "
-                    "module, multiprocessing's spawn)"
-                ) from None
-            except BaseException:
-                self._closed = True
-                self._finalizer()
+                if isinstance(exc, _ProcessEnded):  # before it could answer
+                    raise RuntimeError(
+                        f"{exc} before its env was built: its output above says why. A "
+                        "script that starts env processes must guard its entry point with "
+                        "`if __name__ == \"__main__\":` (the process imports the script's "
+                        "module, multiprocessing's spawn)"
+                    ) from None
                 raise
             self._built = True
 

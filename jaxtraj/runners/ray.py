@@ -568,8 +568,9 @@ class RayRunner:
         and redoing its chunk. The trajectories do not depend on it.
       direct_address: with ``transport="direct"`` (which it asks for with
         ``"auto"``), ``(host, port)`` the learner listens on. ``None`` (default): this
-        node's address (Ray's ``get_node_ip_address``) and a port the system picks. A ``port`` of ``0`` lets
-        the system pick; give one where a cluster's firewall opens only some ports.
+        node's address (Ray's ``get_node_ip_address``) and a port the system picks. A
+        ``port`` of ``0`` lets the system pick; give one where a cluster's firewall
+        opens only some ports.
         ``host`` ``None``: the node's address; ``""``, ``"0.0.0.0"`` or ``"::"``: every
         interface (IPv4 and IPv6 with ``"::"`` where the system allows), the actors
         dialing the node's address; any other (an IPv4 or IPv6 address, or a name,

@@ -199,8 +199,8 @@ class AsyncRunner:
         factories and a script guarded by ``if __name__ == "__main__":``; a chunk costs
         a pipe round trip. On Linux the env processes run under ``SCHED_BATCH`` (why,
         the price, and how an env opts out:
-        :class:`~jaxtraj.runners.bound.ProcessBoundEnv`). Trajectories do not depend on it. :meth:`close` (or ``with``)
-        ends the threads or processes.
+        :class:`~jaxtraj.runners.bound.ProcessBoundEnv`). Trajectories do not depend on
+        it. :meth:`close` (or ``with``) ends the threads or processes.
 
     A runner carries across calls: each :meth:`run` collects the training steps after
     the previous one's, from where the environments are (no reset between calls), with
