@@ -50,8 +50,8 @@ episode), ``K = 4`` actions per chunk, ``T = 16`` chunks per training step, ``E 
 - ``d``: :class:`~jaxtraj.runners.ray.RayRunner`, two actors (each builds its adapter),
   policy and ``value_fn`` in the learner, one inference for the ranks whose observation
   is in, ``transport="ray"`` (a Ray actor call per chunk); ``ray.init(num_cpus=2, ...)``;
-- ``d_direct``: ``d`` with ``transport="direct"`` (the default, ``"auto"``, on this
-  one-node cluster): each actor connects back to the learner once and the chunks go
+- ``d_direct``: ``d`` with ``transport="direct"`` (what the default, ``"auto"``,
+  picks where the actors reach the learner): each actor connects back to the learner once and the chunks go
   both ways on that connection (Ray places, restarts and kills the actors), instead of a
   Ray actor call per chunk;
 - ``d_actor``: the same with the policy in the actors (``policy="actor"``, its default
@@ -200,10 +200,10 @@ LABELS = {
     "c": "(c) DecoupledRunner, 2 ranks",
     "c_proc": "(c) DecoupledRunner, 2 ranks, env processes",
     "d": "(d) RayRunner, 2 actors, Ray transport",
-    "d_direct": "(d) RayRunner, 2 actors, direct transport (default on one node)",
+    "d_direct": "(d) RayRunner, 2 actors, direct transport (the default)",
     "d_actor": "(d) RayRunner, 2 actors, policy in the actors",
     "d4": "(d4) RayRunner, 4 actors, Ray transport",
-    "d4_direct": "(d4) RayRunner, 4 actors, direct transport (default on one node)",
+    "d4_direct": "(d4) RayRunner, 4 actors, direct transport (the default)",
     "d4_actor": "(d4) RayRunner, 4 actors, policy in the actors",
     "a_1core": "(a) on 1 core",
     "b_1core": "(b) on 1 core",

@@ -6,10 +6,11 @@ CPU, through :class:`jaxtraj.envs.GymnasiumEnv` (no adapter to write). The learn
 process (this script) runs a small Gaussian MLP policy that emits an action chunk of
 ``K`` actions per call, Sebulba-style: for every rank it infers a chunk, sends the
 actions to the rank's actor and receives what the envs did back (``--transport direct``,
-which the default ``auto`` picks on one machine: on a connection each actor opens to the
-learner, the step's arrays as their bytes, the env half made in the learner; ``ray``, which
-``auto`` picks on a cluster of several machines: a Ray call per chunk, through the
-object store, the env half made in the actor); the collector joins the halves and flushes one
+which the default ``auto`` picks for every actor that reaches the learner: on a connection
+each actor opens to the learner, the step's arrays as their bytes, the env half made in the
+learner; ``ray``, which ``auto`` falls back to for an actor that cannot reach it (a
+firewall between machines, warned about): a Ray call per chunk, through the object store,
+the env half made in the actor); the collector joins the halves and flushes one
 ``Trajectory`` per rank and training step. The policy is trained with a few clipped policy-gradient updates per step on
 critic-free discounted returns (``TrajectoryPlan(advantage="returns")``), and every
 update is published with ``runner.update_policy`` (the version travels in
@@ -149,7 +150,7 @@ def main():
         default="auto",
         help="how chunks travel: a Ray call each, or each actor's own connection to the "
         "learner (faster; the actors' nodes must reach the learner's address); auto: "
-        "direct on one machine or with --direct-port, else ray",
+        "direct, each actor that cannot reach the learner falling back to ray",
     )
     parser.add_argument(
         "--direct-port",
@@ -224,7 +225,7 @@ def main():
         total = time.perf_counter() - t0
     print(
         f"return {first:.2f} -> {last:.2f} in {args.iterations} iterations, {total:.1f} s "
-        f"(transport {runner.transport!r})"
+        f"(transports by rank {runner.transports})"
     )
     ray.shutdown()
 

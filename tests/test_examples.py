@@ -68,4 +68,5 @@ def test_gymnasium_mujoco_example_trains_through_the_adapter_and_async_runner():
 def test_ray_mujoco_example_runs_through_the_adapter():
     out = run("ray_mujoco.py", "--iterations", "2", "--envs", "2", "--actor-cpus", "0.5")
     assert out.count("iter ") == 2 and "versions [1]" in out, out
-    assert "(transport 'direct')" in out, out  # auto on one machine: direct
+    # auto: direct for every actor that reaches the learner (on one machine, all)
+    assert "(transports by rank {0: 'direct', 1: 'direct'})" in out, out

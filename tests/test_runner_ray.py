@@ -430,40 +430,109 @@ def test_transport_arguments_are_checked():
         RayRunner(make_collector(), [PointEnv, PointEnv], policy_fn, PARAMS)
 
 
-def test_the_default_transport_is_direct_on_one_node_only(ray_instance, monkeypatch):
-    """transport="auto" decides by the cluster's nodes alive: the learner's alone, direct;
-    another node alive (whose firewall may close the learner's ports), or no node of the
-    learner's own (a Ray Client connection), the Ray transport."""
+def test_the_default_transport_is_direct_but_for_ray_client_and_tls(ray_instance, monkeypatch):
+    """transport="auto" is direct (each rank going over to Ray calls where its actor
+    cannot reach the learner), but for a learner connected through Ray Client (off the
+    cluster) and where Ray's own connections use TLS (the direct ones are not encrypted)."""
     from jaxtraj.runners import ray as ray_runners
 
-    assert ray_runners._one_node()  # this test's local cluster
-    here = ray.get_runtime_context().get_node_id()
-    nodes = ray.nodes()
-    other = dict(nodes[0], NodeID="f" * len(here), Alive=True)
-    dead = dict(nodes[0], NodeID="e" * len(here), Alive=False)
-    monkeypatch.setattr(ray, "nodes", lambda: [*nodes, dead])  # a dead node: still one
-    assert ray_runners._one_node()
-    monkeypatch.setattr(ray, "nodes", lambda: [*nodes, other])
-    assert not ray_runners._one_node()
-    runner = ray_runner(make_collector(), num_steps=1)
-    try:
-        runner.actors()
-        assert runner.transport == "ray" and runner._listener is None
-    finally:
-        runner.close()
+    for client, tls, want in ((False, None, "direct"), (True, None, "ray"),
+                              (False, "1", "ray"), (False, "0", "direct")):
+        monkeypatch.setattr(ray.util.client.ray, "is_connected", lambda c=client: c)
+        if tls is None:
+            monkeypatch.delenv("RAY_USE_TLS", raising=False)
+        else:
+            monkeypatch.setenv("RAY_USE_TLS", tls)
+        assert ray_runners._ray_client() is client
+        runner = ray_runner(make_collector(), num_steps=1)
+        try:
+            assert runner.transports == {r: "auto" for r in range(RANKS)}
+            runner.actors()
+            assert runner.transport == want
+            assert runner.transports == {r: want for r in range(RANKS)}
+            assert (runner._listener is not None) is (want == "direct")
+        finally:
+            runner.close()
 
-    monkeypatch.setattr(ray, "nodes", lambda: nodes)
-    assert ray_runners._one_node()
-    # Ray Client: the learner is off the cluster, whatever node id the context gives
-    monkeypatch.setattr(ray.util.client.ray, "is_connected", lambda: True)
-    assert not ray_runners._one_node()
-    monkeypatch.undo()
+    def no_client():
+        raise RuntimeError("an API that differs")
 
-    def no_node():
-        raise RuntimeError("no node of its own")
+    monkeypatch.setattr(ray.util.client.ray, "is_connected", no_client)
+    assert not ray_runners._ray_client()
 
-    monkeypatch.setattr(ray, "get_runtime_context", no_node)
-    assert not ray_runners._one_node()
+
+def _env_unreachable(rank, unreachable, die_at=None, marker=None):
+    """A PointEnv whose actor cannot reach the learner: ranks in ``unreachable`` from the
+    start, or (``marker``) the rank that died at ``die_at``, once restarted (a node
+    behind a firewall). Built in the actor's process, so refusing its connections there
+    stands for the network refusing them."""
+    import socket
+
+    env = PointEnv(rank, die_at=die_at if die_at and rank == die_at[2] else None,
+                   marker=marker, snapshots=False)
+    if rank in unreachable or (marker is not None and os.path.exists(marker)):
+        def refused(address, *args, **kwargs):
+            raise ConnectionRefusedError(111, "Connection refused (a firewall)")
+
+        socket.create_connection = refused
+    return env
+
+
+def test_auto_transport_sends_a_rank_that_cannot_reach_the_learner_through_ray(
+    ray_instance, reference
+):
+    """transport="auto": rank 1's actor cannot connect to the learner, so its chunks go
+    as Ray calls (a warning names it and says the way out) while rank 0 keeps its
+    connection; the trajectories are the reference's."""
+    env_fn = functools.partial(_env_unreachable, unreachable=(1,))
+    with pytest.warns(RuntimeWarning) as warned:
+        with ray_runner(make_collector(), env_fn) as runner:
+            got = by_source(runner.run())
+            assert runner.transport == "direct"
+            assert runner.transports == {0: "direct", 1: "ray"}
+            assert runner._ranks[0].conn is not None and runner._ranks[1].conn is None
+            assert runner.restarts == 0
+    messages = [str(w.message) for w in warned if "cannot reach the learner" in str(w.message)]
+    assert len(messages) == 1
+    assert messages[0].startswith(f"RayRunner: env_worker_1's actor cannot reach the learner at "
+                                  f"{runner._address} (ConnectionError")
+    assert "Connection refused" in messages[0] and "transport='ray'" in messages[0]
+    for k in reference:
+        assert_same(got[k], reference[k])
+
+    # every rank unreachable: the listener is closed, every chunk a Ray call
+    env_fn = functools.partial(_env_unreachable, unreachable=tuple(range(RANKS)))
+    with pytest.warns(RuntimeWarning, match="cannot reach the learner"):
+        with ray_runner(make_collector(), env_fn) as runner:
+            got = by_source(runner.run())
+            assert runner.transports == {r: "ray" for r in range(RANKS)}
+            assert runner._listener is None
+    for k in reference:
+        assert_same(got[k], reference[k])
+
+    # asked for: the same actor stops the run, naming its rank
+    with ray_runner(make_collector(), env_fn, num_steps=1, transport="direct") as runner:
+        with pytest.raises(RunnerError, match="did not connect to the learner"):
+            runner.run()
+
+
+def test_auto_transport_sends_a_restarted_actor_that_cannot_reach_the_learner_through_ray(
+    ray_instance, reference, tmp_path
+):
+    """A rank's actor dies mid-step and Ray restarts it where it cannot reach the learner:
+    it is restored (a reset and a replay) and redoes its chunk as Ray calls; the step is
+    bit-identical."""
+    die_at, marker = (1, 0, 1, 0, 1), str(tmp_path / "died")
+    env_fn = functools.partial(_env_unreachable, unreachable=(), die_at=die_at, marker=marker)
+    collector = make_collector(resend="accept_identical")
+    with pytest.warns(RuntimeWarning, match="env_worker_1's actor cannot reach the learner"):
+        with ray_runner(collector, env_fn) as runner:
+            got = by_source(runner.run())
+            assert runner.restarts == 1
+            assert runner.transports == {0: "direct", 1: "ray"}
+    assert os.path.exists(marker)  # it did die
+    for k in reference:
+        assert_same(got[k], reference[k])
 
 
 class _SchedPointEnv(PointEnv):

@@ -16,8 +16,8 @@ consumer in the learner process (the thread calling :meth:`RayRunner.run`) feeds
   row, as in :class:`~jaxtraj.runners.threads.AsyncRunner`). One chunk per rank is in
   flight (the next chunk needs this one's observation); ranks run in parallel. A chunk
   travels as a Ray actor call (``transport="ray"``) or on a connection each actor opens
-  to the learner once (``transport="direct"``: a tenth of the round trip; the default
-  on a one-node cluster).
+  to the learner once (``transport="direct"``: a tenth of the round trip; the default,
+  a rank whose actor cannot reach the learner going over to Ray calls).
 - ``policy="actor"``: a copy of the policy in every env actor. The learner broadcasts
   parameters once per :meth:`RayRunner.update_policy` (``ray.put``); each actor call
   produces ``chunks_per_call`` chunks, both halves, and at most ``max_in_flight`` calls
@@ -139,6 +139,7 @@ _POLL_S = 0.05
 _CONNECT_POLL_S = 0.005
 _CONNECT_WAIT_S = 10.0  # after a direct connection closed: how long Ray may take to say why
 _DIAL_S = 30.0  # how long an actor tries to reach the learner's address
+_AUTO_DIAL_S = 5.0  # the same with transport="auto", which falls back to Ray's transport
 _HANDSHAKE_S = 5.0  # how long either side of a connection waits for the other's next word
 _ACCEPT_POLL_S = 0.2  # how often the accept thread looks whether the runner closed
 _LIVENESS_S = 1.0  # how often the learner asks Ray whether connected actors still live
@@ -258,13 +259,14 @@ class EnvWorker:
         get = getattr(self.env, "get_state", None)
         return None if get is None else get()
 
-    def serve(self, address: Any, authkey: bytes, index: int) -> int:
+    def serve(self, address: Any, authkey: bytes, index: int, dial_s: float = _DIAL_S) -> int:
         """``transport="direct"``: connect to the learner at ``address`` and execute its
         requests (``reset``, ``step``, ``restore``) in order, each answered ``(ok,
         value)`` (a step sent as bytes: its EnvStep as bytes, where it can be), until the
         learner closes the connection. Runs in the thread that built
-        the env (the actor's), as Ray's calls do; returns the requests served."""
-        conn = _dial(address, authkey, index)
+        the env (the actor's), as Ray's calls do; returns the requests served. An address
+        it cannot reach within ``dial_s`` raises ``ConnectionError``."""
+        conn = _dial(address, authkey, index, dial_s)
         served = 0
         compact: _StepReplies | None = _StepReplies()
         try:
@@ -338,13 +340,13 @@ def _tuned(sock: socket.socket) -> Connection:
     return Connection(sock.detach())
 
 
-def _dial(address: Any, key: bytes, index: int) -> Connection:
+def _dial(address: Any, key: bytes, index: int, dial_s: float = _DIAL_S) -> Connection:
     """An actor's side of ``transport="direct"``: connect to the learner at ``address``,
     check that it holds the runner's key, prove ours, and say which rank this is. Each
     side proves the key on a nonce of the other's (HMAC-SHA256) before anything is
     unpickled."""
     try:
-        sock = socket.create_connection(tuple(address), timeout=_DIAL_S)
+        sock = socket.create_connection(tuple(address), timeout=dial_s)
     except OSError as exc:
         raise ConnectionError(f"cannot reach the learner at {tuple(address)}: {exc!r}") from exc
     try:
@@ -394,19 +396,19 @@ _DIRECT = object()
 _EVERY_INTERFACE = ("", "0.0.0.0", "::")  # direct_address hosts that listen on every interface
 
 
-def _one_node() -> bool:
-    """Whether the Ray cluster is this one node (a local ``ray.init()``): every node
-    alive is the learner's, where the actors reach the learner's address for sure.
-    False for a learner connected through Ray Client (off the cluster, whatever node
-    its context names) and where it cannot tell (an older Ray)."""
+def _ray_client() -> bool:
+    """Whether the learner is connected through Ray Client: off the cluster, where the
+    actors seldom reach it."""
     try:
-        if ray.util.client.ray.is_connected():
-            return False
-        here = ray.get_runtime_context().get_node_id()
-        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-    except Exception:  # no node of its own (Ray Client), or an API that differs
+        return bool(ray.util.client.ray.is_connected())
+    except Exception:  # an API that differs: not a client we know of
         return False
-    return alive == {here}
+
+
+def _ray_tls() -> bool:
+    """Whether Ray's own connections use TLS (``RAY_USE_TLS``): the direct transport's
+    are authenticated, not encrypted, so ``transport="auto"`` keeps to Ray's."""
+    return os.environ.get("RAY_USE_TLS", "0").strip().lower() in ("1", "true")
 
 
 def _loopback(address: str) -> bool:
@@ -476,6 +478,7 @@ class _Rank:
     progress_at: float = 0.0  # when it last answered (or was first asked)
     ping_at: float | None = None  # when to ask a restarting actor again whether it is up
     created_at: float | None = None  # when its actor was created (None: warned, or up)
+    direct: bool = False  # its chunks go on a connection of its own (else as Ray calls)
     conn: Any = None  # transport="direct": the connection to its actor, once it connected
     loop: Any = None  # transport="direct": the ref of the actor's serve call
     # transport="direct": how to read its connection's steps sent as bytes, by template
@@ -545,15 +548,15 @@ class RayRunner:
         expected within the wait (as :class:`~jaxtraj.runners.threads.AsyncRunner`'s:
         the trajectories do not depend on the batching).
       transport: with ``policy="learner"``, how a chunk's actions reach its actor and
-        its result comes back. ``"auto"`` (default): ``"direct"`` where the Ray cluster
-        is the learner's node alone when the first actors are made (a local
-        ``ray.init()``), and where ``direct_address`` is given; else ``"ray"`` (a
-        cluster of several nodes, whose firewall may close the learner's ports to the
-        actors; ask for ``"direct"`` where they can reach it; a learner connected
-        through Ray Client gets ``"ray"``). The choice, made once, is :attr:`transport`
-        once the actors are made: on a cluster that grows after it (an autoscaler adding
-        nodes for the actors) ask for ``"ray"`` unless the new nodes can reach the
-        learner. ``"ray"``: a Ray actor call per chunk, through the object store.
+        its result comes back. ``"auto"`` (default): ``"direct"``, and a rank whose
+        actor cannot reach the learner within 5 s (a firewall between nodes) goes over
+        to ``"ray"``, with a warning naming it (:attr:`transports` says which ranks
+        did; the others keep their connections; an actor made again, after
+        :meth:`close`, tries again); ``"ray"`` for a learner connected through Ray
+        Client (off the cluster) and where Ray's own connections use TLS
+        (``RAY_USE_TLS``: the direct connections are authenticated, not encrypted).
+        :attr:`transport` says which once the actors are made. ``"ray"``: a Ray actor
+        call per chunk, through the object store.
         ``"direct"``: each actor connects back to the learner once (TCP; each side
         proves a key made per runner, HMAC-SHA256 on the other's nonce, before anything
         is unpickled; the learner listens on its node's address, or ``direct_address``,
@@ -565,7 +568,9 @@ class RayRunner:
         costs ~0.2 ms against Ray's ~2.6 ms on a 2-core machine, so chunks shorter than
         a few ms (fast simulators, small batches) are not bound by the transport. Faults
         are handled the same: a closed connection is a dead actor, restarted, restored
-        and redoing its chunk. The trajectories do not depend on it.
+        and redoing its chunk. Asked for (or by ``direct_address``), an actor that
+        cannot reach the learner within 30 s stops :meth:`run` with a
+        :class:`RunnerError` naming its rank. The trajectories do not depend on it.
       direct_address: with ``transport="direct"`` (which it asks for with
         ``"auto"``), ``(host, port)`` the learner listens on. ``None`` (default): this
         node's address (Ray's ``get_node_ip_address``) and a port the system picks. A
@@ -632,6 +637,8 @@ class RayRunner:
             )
         if transport == "auto" and policy == "actor":
             transport = "ray"  # the actors' results go through Ray, several chunks a call
+        # "auto": direct, a rank whose actor cannot reach the learner falling back to Ray's
+        self._fallback = transport == "auto"
         if chunks_per_call is None:  # a training step's chunks per call
             chunks_per_call = collector.plan.num_epochs * collector.plan.num_chunks
         if chunks_per_call < 1 or max_in_flight < 1:
@@ -712,6 +719,16 @@ class RayRunner:
         """The env actors' handles (started on first use), in ``env_ranks`` order."""
         self._start()
         return [w.actor for w in self._ranks]
+
+    @property
+    def transports(self) -> dict[int, str]:
+        """How each env rank's chunks travel, by env rank: ``"direct"`` or ``"ray"``
+        (with ``transport="auto"``, a rank whose actor could not reach the learner went
+        over to ``"ray"``); before the actors are made, :attr:`transport`."""
+        return {
+            w.rank: self.transport if w.actor is None else "direct" if w.direct else "ray"
+            for w in self._ranks
+        }
 
     def close(self) -> None:
         """Shut every env actor down (Ray does not restart them)."""
@@ -809,7 +826,7 @@ class RayRunner:
                 if self.stall_timeout_s is not None and time.monotonic() > stall_at:
                     stall_at = time.monotonic() + min(self.stall_timeout_s / 4, 1.0)
                     self._kill_stalled()
-                if self.transport == "direct":
+                if self._listener is not None:
                     self._check_connected()
             self._catch_up()
             self._check_complete()
@@ -842,10 +859,21 @@ class RayRunner:
         layout = self.collector.layout if actor else None
         self._check_placement(len(todo))
         if self.transport == "auto":  # decided once, when the first actors are made
-            self.transport = "direct" if _one_node() else "ray"
+            self.transport = "ray" if _ray_client() or _ray_tls() else "direct"
         if self.transport == "direct" and self._listener is None:
-            self._listen()
+            try:
+                self._listen()
+            except OSError as exc:
+                if not self._fallback:
+                    raise
+                warnings.warn(
+                    f"RayRunner: the learner cannot listen for the actors ({exc}): every "
+                    "rank's chunks go through Ray (transport='ray')", RuntimeWarning,
+                    stacklevel=3,
+                )
+                self.transport = "ray"
         for w in todo:
+            w.direct = self.transport == "direct"
             w.actor = cls.remote(
                 self.env_fn, w.rank, self.plan, policy_fn, self._stamp, value_fn, layout,
                 sched_batch=not actor,  # the learner wakes it every chunk
@@ -903,7 +931,7 @@ class RayRunner:
             return
         if not w.started:
             if not w.pending:
-                if self.transport == "direct":
+                if w.direct:
                     self._connect(w)  # then the reset, on the connection
                 else:
                     w.pending.append(("reset", w.actor.reset.remote(), None))
@@ -1015,6 +1043,9 @@ class RayRunner:
             exc = result.exc
             if result.env or isinstance(exc, ray.exceptions.RayTaskError):  # the env raised
                 cause = getattr(exc, "cause", None) or exc
+                if kind == "connect" and self._fallback:  # it cannot reach the learner
+                    self._fall_back(w, cause)
+                    return
                 if kind in ("connect", "lost"):  # its serve call raised (not the env)
                     cause = ConnectionError(
                         f"{w.name}'s actor did not connect to the learner, or its connection "
@@ -1115,7 +1146,7 @@ class RayRunner:
         w.pending.append(("ping", w.actor.pid.remote(), None))
 
     def _redo(self, w: _Rank) -> None:
-        if self.transport == "direct" and w.conn is None:
+        if w.direct and w.conn is None:
             self._connect(w)  # the restarted actor connects; then this again
             return
         if w.started:
@@ -1124,7 +1155,7 @@ class RayRunner:
             # Over a connection the chunk's step is asked once the restore is answered:
             # asked at once, a large answer (camera observations) and a large step
             # (long chunks) could each wait for the other to be read, neither side reading.
-            later = again and self.transport == "direct"
+            later = again and w.direct
             if not self._call(w, "restore", (w.snapshot, w.prev, replay), later):
                 return  # the connection broke at once: restarting again
             if again:
@@ -1148,7 +1179,7 @@ class RayRunner:
         """Ask rank ``w``'s actor to run ``method(*args)``: on its direct connection, or
         as a Ray call; its answer is the next in ``w.pending`` after those before. False:
         the connection broke (the rank is being restarted, nothing was asked)."""
-        if self.transport != "direct":
+        if not w.direct:
             w.pending.append((method, getattr(w.actor, method).remote(*args), payload))
             return True
         message = None
@@ -1240,7 +1271,8 @@ class RayRunner:
 
     def _connect(self, w: _Rank) -> None:
         """Have rank ``w``'s actor connect (its serve call), answered in :meth:`_accept`."""
-        w.loop = w.actor.serve.remote(self._address, self._authkey, w.index)
+        dial_s = _AUTO_DIAL_S if self._fallback else _DIAL_S
+        w.loop = w.actor.serve.remote(self._address, self._authkey, w.index, dial_s)
         w.pending.append(("connect", w.loop, None))
 
     def _accept(self) -> None:
@@ -1312,6 +1344,23 @@ class RayRunner:
             return
         w.pending.append(("lost", w.loop, broke))
         w.progress_at = time.monotonic()
+
+    def _fall_back(self, w: _Rank, cause: BaseException) -> None:
+        """``transport="auto"``: rank ``w``'s actor could not reach the learner (its serve
+        call raised): its chunks go as Ray calls from now on (until its actor is made
+        again, after :meth:`close`), the others' stay on their connections."""
+        w.direct, w.loop = False, None
+        warnings.warn(
+            f"RayRunner: {w.name}'s actor cannot reach the learner at {self._address} "
+            f"({type(cause).__name__}: {cause}); its chunks go as Ray calls (about ten "
+            "times the round trip of a direct connection). Open that address's port to "
+            "the actors' nodes (direct_address=(None, port) sets the port), or ask for "
+            "transport='ray' to not try.",
+            RuntimeWarning, stacklevel=4,
+        )
+        if not any(r.direct for r in self._ranks):
+            self._unlisten()
+        self._redo(w)  # its reset, or its restore and its chunk, as Ray calls
 
     def _check_connected(self) -> None:
         """Ranks whose connection broke and Ray has not said why within
