@@ -461,18 +461,43 @@ def test_the_default_transport_is_direct_but_for_ray_client_and_tls(ray_instance
     assert not ray_runners._ray_client()
 
 
-def _env_unreachable(rank, unreachable, die_at=None, marker=None):
+def test_auto_transport_goes_through_ray_where_the_learner_cannot_listen(
+    ray_instance, reference, monkeypatch
+):
+    """transport="auto" and no address to listen on: a warning, every chunk a Ray call,
+    the reference's trajectories; asked for, the error."""
+    import errno
+    import socket
+
+    def cannot(*args, **kwargs):
+        raise OSError(errno.EADDRNOTAVAIL, "Cannot assign requested address")
+
+    monkeypatch.setattr(socket, "create_server", cannot)
+    with pytest.warns(RuntimeWarning, match="the learner cannot listen for the actors"):
+        with ray_runner(make_collector(), num_steps=1) as runner:
+            runner.actors()
+            assert runner.transports == {r: "ray" for r in range(RANKS)}
+            got = by_source(runner.run())
+    for k in got:
+        assert_same(got[k], reference[k])
+    with ray_runner(make_collector(), num_steps=1, transport="direct") as runner:
+        with pytest.raises(OSError, match="the learner cannot listen on"):
+            runner.actors()
+
+
+def _env_unreachable(rank, unreachable, die_at=None, marker=None, error=None):
     """A PointEnv whose actor cannot reach the learner: ranks in ``unreachable`` from the
     start, or (``marker``) the rank that died at ``die_at``, once restarted (a node
     behind a firewall). Built in the actor's process, so refusing its connections there
-    stands for the network refusing them."""
+    stands for the network refusing them (``error``: raising that instead, not a
+    network's error)."""
     import socket
 
     env = PointEnv(rank, die_at=die_at if die_at and rank == die_at[2] else None,
                    marker=marker, snapshots=False)
     if rank in unreachable or (marker is not None and os.path.exists(marker)):
         def refused(address, *args, **kwargs):
-            raise ConnectionRefusedError(111, "Connection refused (a firewall)")
+            raise error or ConnectionRefusedError(111, "Connection refused (a firewall)")
 
         socket.create_connection = refused
     return env
@@ -514,6 +539,14 @@ def test_auto_transport_sends_a_rank_that_cannot_reach_the_learner_through_ray(
     with ray_runner(make_collector(), env_fn, num_steps=1, transport="direct") as runner:
         with pytest.raises(RunnerError, match="did not connect to the learner"):
             runner.run()
+
+    # an error of the actor's that is not the network's (a bug, another jaxtraj on its
+    # node) is not taken for an unreachable learner: it stops the run, named
+    env_fn = functools.partial(_env_unreachable, unreachable=(1,), error=TypeError("a bug"))
+    with ray_runner(make_collector(), env_fn, num_steps=1) as runner:
+        with pytest.raises(RunnerError, match="TypeError: a bug") as info:
+            runner.run()
+    assert info.value.worker == "env_worker_1"
 
 
 def test_auto_transport_sends_a_restarted_actor_that_cannot_reach_the_learner_through_ray(

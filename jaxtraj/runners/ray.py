@@ -549,13 +549,14 @@ class RayRunner:
         the trajectories do not depend on the batching).
       transport: with ``policy="learner"``, how a chunk's actions reach its actor and
         its result comes back. ``"auto"`` (default): ``"direct"``, and a rank whose
-        actor cannot reach the learner within 5 s (a firewall between nodes) goes over
-        to ``"ray"``, with a warning naming it (:attr:`transports` says which ranks
-        did; the others keep their connections; an actor made again, after
-        :meth:`close`, tries again); ``"ray"`` for a learner connected through Ray
-        Client (off the cluster) and where Ray's own connections use TLS
-        (``RAY_USE_TLS``: the direct connections are authenticated, not encrypted).
-        :attr:`transport` says which once the actors are made. ``"ray"``: a Ray actor
+        actor cannot connect to the learner (refused, or no answer within 5 s: a
+        firewall between nodes) goes over to ``"ray"``, with a warning naming it; the
+        others keep their connections, and an actor made again, after :meth:`close`,
+        tries again. ``"ray"`` for a learner connected through Ray Client (off the
+        cluster) and where Ray's own connections use TLS (``RAY_USE_TLS``: the direct
+        connections are authenticated, not encrypted). :attr:`transport` says which
+        was chosen once the actors are made; :attr:`transports`, how each rank's
+        chunks travel once :meth:`run` has connected them. ``"ray"``: a Ray actor
         call per chunk, through the object store.
         ``"direct"``: each actor connects back to the learner once (TCP; each side
         proves a key made per runner, HMAC-SHA256 on the other's nonce, before anything
@@ -569,7 +570,7 @@ class RayRunner:
         a few ms (fast simulators, small batches) are not bound by the transport. Faults
         are handled the same: a closed connection is a dead actor, restarted, restored
         and redoing its chunk. Asked for (or by ``direct_address``), an actor that
-        cannot reach the learner within 30 s stops :meth:`run` with a
+        cannot connect (refused, or no answer within 30 s) stops :meth:`run` with a
         :class:`RunnerError` naming its rank. The trajectories do not depend on it.
       direct_address: with ``transport="direct"`` (which it asks for with
         ``"auto"``), ``(host, port)`` the learner listens on. ``None`` (default): this
@@ -723,8 +724,9 @@ class RayRunner:
     @property
     def transports(self) -> dict[int, str]:
         """How each env rank's chunks travel, by env rank: ``"direct"`` or ``"ray"``
-        (with ``transport="auto"``, a rank whose actor could not reach the learner went
-        over to ``"ray"``); before the actors are made, :attr:`transport`."""
+        (with ``transport="auto"``, a rank whose actor could not connect to the learner
+        went over to ``"ray"``: known once :meth:`run` has tried); before the actors
+        are made, :attr:`transport`."""
         return {
             w.rank: self.transport if w.actor is None else "direct" if w.direct else "ray"
             for w in self._ranks
@@ -860,20 +862,20 @@ class RayRunner:
         self._check_placement(len(todo))
         if self.transport == "auto":  # decided once, when the first actors are made
             self.transport = "ray" if _ray_client() or _ray_tls() else "direct"
-        if self.transport == "direct" and self._listener is None:
+        direct = self.transport == "direct"
+        if direct and self._listener is None:
             try:
                 self._listen()
             except OSError as exc:
                 if not self._fallback:
                     raise
                 warnings.warn(
-                    f"RayRunner: the learner cannot listen for the actors ({exc}): every "
-                    "rank's chunks go through Ray (transport='ray')", RuntimeWarning,
-                    stacklevel=3,
+                    f"RayRunner: the learner cannot listen for the actors ({exc}): these "
+                    "actors' chunks go as Ray calls", RuntimeWarning, stacklevel=3,
                 )
-                self.transport = "ray"
+                direct = False  # (actors made again after close() try again)
         for w in todo:
-            w.direct = self.transport == "direct"
+            w.direct = direct
             w.actor = cls.remote(
                 self.env_fn, w.rank, self.plan, policy_fn, self._stamp, value_fn, layout,
                 sched_batch=not actor,  # the learner wakes it every chunk
@@ -1043,8 +1045,10 @@ class RayRunner:
             exc = result.exc
             if result.env or isinstance(exc, ray.exceptions.RayTaskError):  # the env raised
                 cause = getattr(exc, "cause", None) or exc
-                if kind == "connect" and self._fallback:  # it cannot reach the learner
-                    self._fall_back(w, cause)
+                # its dial failed (an OSError: refused, timed out, not the runner's key)
+                if kind == "connect" and self._fallback and isinstance(cause, OSError):
+                    if not self._draining:  # (a run that fails: nothing to go on with)
+                        self._fall_back(w, cause)
                     return
                 if kind in ("connect", "lost"):  # its serve call raised (not the env)
                     cause = ConnectionError(
