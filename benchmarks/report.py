@@ -221,10 +221,17 @@ def page_host_env(d: dict, out: Path) -> str:
     if d.get("targets"):
         text += "\n### Targets (issue 26)\n\n" + table(
             ["env", "config", "against", "target", "measured (median of per-round ratios)",
-             "status"],
+             "status", "CPU allows"],
             [[t["env"], t["config"], t["reference"], f">= {t['target']}x",
-              "-" if t["ratio"] is None else f"{t['ratio']:.2f}x", t["status"]]
+              "-" if t["ratio"] is None else f"{t['ratio']:.2f}x", t["status"],
+              "-" if t.get("cpu_ceiling") is None else f"{t['cpu_ceiling']:.2f}x"]
              for t in d["targets"]])
+        if any(t.get("cpu_ceiling") is not None for t in d["targets"]):
+            text += ("\nCPU allows: the ratio at which the configuration would run at the "
+                     "CPU it used per training step (this process's threads and its env "
+                     "processes, medians), spread over every core with every core busy "
+                     "every moment: no schedule goes above it without spending less CPU. "
+                     "Not for Ray's configurations, whose actors' CPU is not counted.\n")
     if d.get("env_scaling"):
         text += ("\n### What two env processes gain here\n\nEach env's raw vector env (no "
                  "adapter, no policy), a training step's vector steps in fresh processes: "

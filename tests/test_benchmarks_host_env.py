@@ -98,3 +98,35 @@ def test_env_scaling_reports_the_ceilings_of_split_pools_and_four_ranks(monkeypa
     assert sleep["speedup_4_processes"] == pytest.approx(40.0 / 13.0)  # B = 8 alone: 40 ms
     assert "two_halves_at_once_one_thread_each" not in sleep
     assert "four B/4 at once 3.08x" in host_env.scaling_line("sleep1ms", sleep)
+
+
+def test_targets_report_what_the_cpu_used_allows():
+    """A configuration's CPU ceiling: (a)'s ms per training step over its CPU per step
+    (its process's and its env processes') spread over the cores; none for Ray's, whose
+    actors' CPU is not counted."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import host_env
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    cfg = {
+        "a": {"ms_per_training_step_median": 20.0, "cpu_ms_per_training_step_median": 30.0,
+              "steps_per_s": [100.0, 110.0]},
+        "b": {"ms_per_training_step_median": 40.0, "cpu_ms_per_training_step_median": 50.0,
+              "steps_per_s": [50.0, 55.0]},
+        "b_proc": {"ms_per_training_step_median": 30.0, "cpu_ms_per_training_step_median": 10.0,
+                   "env_process_cpu_ms_per_training_step_median": 40.0,
+                   "steps_per_s": [60.0, 70.0]},
+        "d_direct": {"ms_per_training_step_median": 30.0, "cpu_ms_per_training_step_median": 5.0,
+                     "steps_per_s": [60.0, 66.0]},
+    }
+    rows = host_env.targets({"halfcheetah": {"configs": cfg}, "hopper": {"configs": cfg}},
+                            "machine", cpus=2)
+    got = {(t["env"], t["config"], t["reference"]): t for t in rows}
+    b = got[("halfcheetah", "b", "a")]
+    assert b["ratio"] == pytest.approx(0.5) and b["status"] == "missed"
+    assert b["cpu_ceiling"] == pytest.approx(20.0 / (50.0 / 2))  # 0.8x: 1.0x out of reach
+    assert got[("halfcheetah", "b_proc", "a")]["cpu_ceiling"] == pytest.approx(20.0 / 25.0)
+    assert got[("hopper", "d_direct", "b")]["cpu_ceiling"] is None
+    table = host_env.targets_table(rows)
+    assert "| CPU allows |" in table and "| 0.80x |" in table
