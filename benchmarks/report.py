@@ -223,7 +223,7 @@ def page_host_env(d: dict, out: Path) -> str:
             ["env", "config", "against", "target", "measured (median of per-round ratios)",
              "status", "CPU allows"],
             [[t["env"], t["config"], t["reference"], f">= {t['target']}x",
-              "-" if t["ratio"] is None else f"{t['ratio']:.2f}x", t["status"],
+              "-" if t["ratio"] is None else f"{t['ratio']:.3f}x", t["status"],
               "-" if t.get("cpu_ceiling") is None else f"{t['cpu_ceiling']:.2f}x"]
              for t in d["targets"]])
         if any(t.get("cpu_ceiling") is not None for t in d["targets"]):

@@ -1358,8 +1358,9 @@ class RayRunner:
             f"RayRunner: {w.name}'s actor cannot reach the learner at {self._address} "
             f"({type(cause).__name__}: {cause}); its chunks go as Ray calls (about ten "
             "times the round trip of a direct connection). Open that address's port to "
-            "the actors' nodes (direct_address=(None, port) sets the port), or ask for "
-            "transport='ray' to not try.",
+            "the actors' nodes (direct_address=(None, port) sets the port, and asks for "
+            "transport='direct': an actor that still cannot connect then stops the run), "
+            "or ask for transport='ray' to not try.",
             RuntimeWarning, stacklevel=4,
         )
         if not any(r.direct for r in self._ranks):
