@@ -96,7 +96,12 @@ runners can only gain what inference takes. EnvPool again with each B/2 pool on 
 thread (``speedup_2_processes_one_thread``: the cores split between the ranks, as
 ``bt`` / ``bt_proc`` split them), and the 1 ms env as four B/4 at once
 (``speedup_4_processes``): each a ceiling, the most a runner of those ranks could gain
-over (a)'s env stepping with inference and collection free.
+over (a)'s env stepping with inference and collection free. EnvPool also through its
+own asynchronous API (``speedup_async_two_groups``): two groups of B/2 over one pool of
+B, each group's next step sent as soon as its last is back and the policy run on a
+group's rows while the pool steps the other, nothing collected, against the hand loop
+with the same policy, alternating in one process: the leanest overlap two ranks could
+have over one pool, with no runner, adapter or collector in it.
 
     python benchmarks/host_env.py [--quick] [--camera] [--rounds 11] [--steps 4]
 
@@ -723,6 +728,95 @@ def _step_raw(kind, task, n, steps, ready, go, out, threads=None):
     out.put(((time.perf_counter() - t0) / steps * 1e3, (time.process_time() - c0) / steps * 1e3))
 
 
+def _async_groups(task, n, steps, reps, out):
+    """A process: EnvPool's own asynchronous API, the leanest overlap two ranks could have
+    over one pool of ``n``: two groups of ``n/2`` envs, each given its next step's actions
+    as soon as its last step is back (a chunk's K steps, then the policy on its rows, in
+    this thread, while the pool's threads step the other group); nothing collected, no
+    adapter. Against the hand loop over a pool of ``n`` (a policy call on every row, then K
+    synchronous steps), the same policy, alternating ``reps`` times ``steps`` training
+    steps; ms per training step (hand loop, two groups)."""
+    import envpool
+
+    sync = envpool.make(task, env_type="gymnasium", num_envs=n, seed=0)
+    obs_dim, A = sync.observation_space.shape[0], sync.action_space.shape[0]
+    init, policy_fn, _ = make_policy(obs_dim, A, False)
+    params = init(jax.random.PRNGKey(0))
+    rows = np.asarray(jax.random.split(jax.random.PRNGKey(1), n))
+    half = n // 2
+
+    def act(obs, rng):
+        return np.asarray(policy_fn(params, {"state": obs}, rng).actions)
+
+    obs = sync.reset()[0].astype(np.float32)
+
+    def hand(count):
+        nonlocal obs
+        for _ in range(count * T):
+            a = act(obs, rows)
+            for k in range(K):
+                obs = sync.step(a[:, k])[0].astype(np.float32)
+
+    pool = envpool.make(task, env_type="gymnasium", num_envs=n, batch_size=half, seed=0)
+    pool.async_reset()
+    last = np.zeros((n, obs_dim), np.float32)  # each env's last observation
+    seen = 0
+    while seen < n:
+        o, *_, info = pool.recv()
+        last[info["env_id"]] = o
+        seen += len(info["env_id"])
+    groups = [np.arange(g * half, (g + 1) * half) for g in range(2)]
+
+    def two_groups(count):
+        chunks, k, back, acts = [0, 0], [0, 0], [0, 0], [None, None]
+        for g in range(2):
+            acts[g] = act(last[groups[g]], rows[:half])
+            pool.send(acts[g][:, 0], groups[g])
+        left = 2
+        while left:
+            o, *_, info = pool.recv()
+            ids = info["env_id"]
+            last[ids] = o
+            for g in range(2):
+                back[g] += int(np.count_nonzero(ids // half == g))
+                if back[g] < half:
+                    continue
+                back[g] = 0
+                if k[g] < K - 1:
+                    k[g] += 1
+                else:  # the chunk is done: the next one's actions from its observations
+                    chunks[g] += 1
+                    if chunks[g] == count * T:
+                        left -= 1
+                        continue
+                    acts[g], k[g] = act(last[groups[g]], rows[:half]), 0
+                pool.send(acts[g][:, k[g]], groups[g])
+
+    hand(1)  # warm-up (and the policy's compilations for n and n/2 rows)
+    two_groups(1)
+    times = {"hand": [], "groups": []}
+    for _ in range(reps):
+        for name, fn in (("hand", hand), ("groups", two_groups)):
+            t0 = time.perf_counter()
+            fn(steps)
+            times[name].append((time.perf_counter() - t0) / steps * 1e3)
+    out.put((statistics.median(times["hand"]), statistics.median(times["groups"])))
+
+
+def _async_probe(task, n, steps, reps):
+    """:func:`_async_groups` in a fresh process: ``(hand loop, two groups)`` ms per
+    training step."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_async_groups, args=(task, n, steps, reps, out))
+    proc.start()
+    got = out.get(timeout=600)
+    proc.join(10)
+    return got
+
+
 def _probe(kind, task, sizes, steps, threads=None):
     """Each size's env in a process of its own, all stepping at once; ms per training step
     (wall, CPU) of each (``threads``: each EnvPool's ``num_threads``)."""
@@ -763,6 +857,8 @@ def env_scaling(spec, steps: int, reps: int = 3) -> dict:
     for _ in range(reps):
         for k, probe in probes.items():
             rows[k].append(max(probe()))  # at once: the slowest one sets the pace
+    if kind == "envpool":  # the leanest overlap of two ranks over one pool
+        hand_ms, groups_ms = _async_probe(task, B, steps, 2 * reps + 1)
     res = {k: {"ms_per_training_step": statistics.median(w for w, _ in v),
                "cpu_ms_per_training_step": statistics.median(c for _, c in v)}
            for k, v in rows.items()}
@@ -774,6 +870,10 @@ def env_scaling(spec, steps: int, reps: int = 3) -> dict:
                     ("four_quarters_at_once", "speedup_4_processes")):
         if k in res:
             res[name] = alone / res[k]["ms_per_training_step"]
+    if kind == "envpool":
+        res["async_two_groups"] = {"hand_loop_ms_per_training_step": hand_ms,
+                                   "ms_per_training_step": groups_ms}
+        res["speedup_async_two_groups"] = hand_ms / groups_ms
     return res
 
 
@@ -789,6 +889,9 @@ def scaling_line(name: str, sc: dict) -> str:
            if "speedup_2_processes_one_thread" in sc else "")
         + (f"; four B/4 at once {sc['speedup_4_processes']:.2f}x"
            if "speedup_4_processes" in sc else "")
+        + (f"; two groups of B/2 over one asynchronous pool of B, the policy inline, "
+           f"nothing collected, {sc['speedup_async_two_groups']:.2f}x the hand loop"
+           if "speedup_async_two_groups" in sc else "")
     )
 
 

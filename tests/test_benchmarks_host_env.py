@@ -8,6 +8,7 @@ import pathlib
 import subprocess
 import sys
 
+import jax
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -85,7 +86,11 @@ def test_env_scaling_reports_the_ceilings_of_split_pools_and_four_ranks(monkeypa
         return [(ms + n, ms) for n in range(len(sizes))]  # the last one the slowest
 
     monkeypatch.setattr(host_env, "_probe", probe)
+    monkeypatch.setattr(host_env, "_async_probe", lambda task, n, steps, reps: (50.0, 62.5))
     pool = host_env.env_scaling({"kind": "envpool", "task": "T", "B": 16}, steps=1, reps=1)
+    assert pool["speedup_async_two_groups"] == pytest.approx(0.8)  # hand loop 50 ms / 62.5
+    assert "one asynchronous pool of B, the policy inline, nothing collected, 0.80x" in (
+        host_env.scaling_line("halfcheetah", pool))
     assert ("envpool", (8, 8), 1) in asked and ("envpool", (8, 8), None) in asked
     assert pool["two_halves_at_once"]["ms_per_training_step"] == 71.0
     assert pool["speedup_2_processes_one_thread"] == pytest.approx(60.0 / 71.0)
@@ -98,6 +103,27 @@ def test_env_scaling_reports_the_ceilings_of_split_pools_and_four_ranks(monkeypa
     assert sleep["speedup_4_processes"] == pytest.approx(40.0 / 13.0)  # B = 8 alone: 40 ms
     assert "two_halves_at_once_one_thread_each" not in sleep
     assert "four B/4 at once 3.08x" in host_env.scaling_line("sleep1ms", sleep)
+
+
+def test_async_groups_probe_steps_two_groups_over_one_pool():
+    """EnvPool's asynchronous API, two groups of B/2 over one pool of B, against the hand
+    loop over a pool of B: both time a training step (a tiny one here)."""
+    pytest.importorskip("envpool")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import host_env
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+    class Out:
+        def put(self, item):
+            self.item = item
+
+    out = Out()
+    with jax.numpy_rank_promotion("allow"):  # the benchmark's policy broadcasts its biases
+        host_env._async_groups("HalfCheetah-v4", 4, 1, 1, out)
+    hand, groups = out.item
+    assert 0 < hand < 60_000 and 0 < groups < 60_000
 
 
 def test_targets_report_what_the_cpu_used_allows():
