@@ -64,7 +64,9 @@ episode), ``K = 4`` actions per chunk, ``T = 16`` chunks per training step, ``E 
   buys with a second core (not ``--quick``).
 
 Measured in alternating rounds (each round runs every configuration once, rotating the
-order; a repetition is ``--steps`` training steps after a warm-up), reported as medians;
+order; a repetition is ``--steps`` training steps after a warm-up, after which the
+benchmark waits, at most ``--settle-s``, for the machine to be quiet: in one run every
+runner configuration's first rounds read a third low), reported as medians;
 the ratio to ``a`` is taken per round. The collector's share is the time spent inside
 ``collector.add`` (flushes included) and ``collector.check_structure`` over the wall
 time (measured in whichever thread calls them: in the threaded runners that includes
@@ -504,6 +506,23 @@ def steal_share(start: list[int] | None, end: list[int] | None) -> float | None:
     return (end[7] - start[7]) / total if total > 0 else None
 
 
+def settle(max_s: float = 60.0, window_s: float = 0.5, busy_below: float = 0.25) -> float:
+    """Wait until the machine is quiet, at most ``max_s``: its CPUs busy less than
+    ``busy_below`` of one core over ``window_s`` (what the warm-up started, Ray's daemons
+    and the idle workers it starts with, settle first). Returns the seconds waited."""
+    start = time.monotonic()
+    while time.monotonic() - start < max_s:
+        before = cpu_times()
+        time.sleep(window_s)
+        after = cpu_times()
+        if before is None or after is None:  # no /proc/stat: nothing to wait for
+            break
+        d = [y - x for x, y in zip(before, after)]
+        if (sum(d) - d[3] - d[4]) / max(sum(d), 1) * os.cpu_count() < busy_below:
+            break
+    return time.monotonic() - start
+
+
 def env_process_cpu() -> float:
     """CPU seconds the env processes this process started (``multiprocessing``'s children:
     the ``_proc`` configurations' envs) have used so far (``/proc/<pid>/stat``). Those of
@@ -898,7 +917,7 @@ def scaling_line(name: str, sc: dict) -> str:
 # --------------------------------------------------------------------------- the bench
 
 
-def bench_env(name, spec, configs, rounds, steps, camera, seed=0):
+def bench_env(name, spec, configs, rounds, steps, camera, seed=0, settle_s=60.0):
     B = spec["B"]
     probe = EnvFactory(spec["kind"], spec["task"], 1, seed, False)(0).spec()
     obs_dim, A = probe.obs["state"].shape[1], probe.actions.shape[2]
@@ -937,6 +956,10 @@ def bench_env(name, spec, configs, rounds, steps, camera, seed=0):
     for c in configs:
         if "_1core" not in c:
             made[c].run(2)
+    # Then the machine settles (in one run every runner configuration's first 3 of 7
+    # rounds read a third low, something else holding a core: Ray's daemons starting?).
+    settled_s = settle(settle_s)
+    print(f"  {name}: the machine settled in {settled_s:.1f} s", flush=True)
     all_cpus = os.sched_getaffinity(0)
     one = {min(all_cpus)}
     per_step = T * K * B
@@ -979,6 +1002,7 @@ def bench_env(name, spec, configs, rounds, steps, camera, seed=0):
         "camera": camera,
         "task": spec["task"],
         "library": spec["kind"],
+        "settled_s": settled_s,  # waited after the warm-up for the machine to be quiet
         "configs": {},
     }
     for c in configs:
@@ -1135,6 +1159,9 @@ def main():
     parser.add_argument("--out", default=str(HERE / "results" / "host_env.json"))
     parser.add_argument("--no-scaling", action="store_true",
                         help="skip the raw env probe of what parallel env processes gain")
+    parser.add_argument("--settle-s", type=float, default=60.0,
+                        help="after the warm-up, wait at most this long for the machine to "
+                        "be quiet (under a quarter of a core busy) before the first round")
     args = parser.parse_args()
     rounds = args.rounds or (3 if args.quick else 11)
     steps = args.steps or (1 if args.quick else 4)
@@ -1155,7 +1182,7 @@ def main():
         key = name + ("_camera" if camera else "")
         print(f"{key}: {ENVS[name]['task']} B={ENVS[name]['B']}", flush=True)
         results[key] = bench_env(key, ENVS[name], env_configs(key, configs), rounds, steps,
-                                 camera)
+                                 camera, settle_s=args.settle_s)
     if any(c.startswith("d") for c in configs):
         ray.shutdown()
     scaling = {}

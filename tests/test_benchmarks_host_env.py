@@ -34,6 +34,8 @@ def test_host_env_benchmark_smoke(tmp_path):
             "--out",
             str(out),
             "--no-scaling",
+            "--settle-s",
+            "5",
         ],
         check=True,
         capture_output=True,
@@ -42,6 +44,7 @@ def test_host_env_benchmark_smoke(tmp_path):
     )
     res = json.loads(out.read_text())["results"]["hopper"]
     assert set(res["configs"]) == set(configs.split(","))
+    assert 0 <= res["settled_s"] < 10  # waited for a quiet machine, at most --settle-s
     for entry in res["configs"].values():
         assert entry["steps_per_s_median"] > 0
     assert 0 < res["configs"]["b"]["collector_share_median"] < 1
