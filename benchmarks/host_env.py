@@ -49,7 +49,8 @@ episode), ``K = 4`` actions per chunk, ``T = 16`` chunks per training step, ``E 
 - ``c``, ``c_proc``: :class:`~jaxtraj.runners.threads.DecoupledRunner`, the same setups;
 - ``d``: :class:`~jaxtraj.runners.ray.RayRunner`, two actors (each builds its adapter),
   policy and ``value_fn`` in the learner, one inference for the ranks whose observation
-  is in, ``transport="ray"`` (a Ray actor call per chunk); ``ray.init(num_cpus=2, ...)``;
+  is in (its default ``batch_wait_s="auto"``, as ``b``'s), ``transport="ray"`` (a Ray
+  actor call per chunk); ``ray.init(num_cpus=2, ...)``;
 - ``d_direct``: ``d`` with ``transport="direct"`` (what the default, ``"auto"``,
   picks where the actors reach the learner): each actor connects back to the learner once and the chunks go
   both ways on that connection (Ray places, restarts and kills the actors), instead of a

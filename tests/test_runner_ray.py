@@ -258,6 +258,49 @@ def test_learner_inference_is_batched_and_bit_identical_whatever_the_batching(
         assert_same(got[k], reference[k])
 
 
+class _PacedPointEnv(PointEnv):
+    """A PointEnv whose every step takes 3 ms more: spinning on a CPU (a simulator that
+    computes) or sleeping (one that waits on a clock or I/O)."""
+
+    def __init__(self, rank, how):
+        super().__init__(rank, snapshots=False)
+        self.how = how
+
+    def step(self, key, actions):
+        if self.how == "sleep":
+            time.sleep(0.003)
+        else:
+            end = time.perf_counter() + 0.003
+            while time.perf_counter() < end:
+                pass
+        return super().step(key, actions)
+
+
+@pytest.mark.parametrize(
+    "transport,how", [("direct", "spin"), ("direct", "sleep"), ("ray", "spin")]
+)
+def test_auto_wait_batches_computing_actors_and_not_waiting_ones(
+    ray_instance, reference, transport, how
+):
+    """The default batch_wait_s="auto", as AsyncRunner's: each actor measures its share
+    of a step on CPU and sends it back with the step (as bytes or through Ray); actors
+    that compute are waited for (the ranks share calls), actors that wait are not; the
+    trajectories are the reference's."""
+    env_fn = functools.partial(_PacedPointEnv, how=how)
+    with ray_runner(make_collector(), env_fn, transport=transport) as runner:
+        assert runner.batch_wait_s == "auto"
+        got = by_source(runner.run())
+        shares, wait, calls = list(runner._due.share), runner._wait(), runner.calls
+    assert None not in shares
+    mean, case = sum(shares) / len(shares), (transport, how, shares, wait, calls)
+    if how == "spin":
+        assert mean >= 0.5 and wait > 0 and calls < RANKS * STEPS * E * T, case
+    else:
+        assert mean < 0.5 and wait == 0.0, case
+    for k in reference:
+        assert_same(got[k], reference[k])
+
+
 @pytest.mark.parametrize(
     "policy,snapshots,transport",
     [("learner", True, "ray"), ("learner", True, "direct"), ("learner", False, "direct"),
