@@ -284,17 +284,19 @@ def test_auto_wait_batches_computing_actors_and_not_waiting_ones(
 ):
     """The default batch_wait_s="auto", as AsyncRunner's: each actor measures its share
     of a step on CPU and sends it back with the step (as bytes or through Ray); actors
-    that compute are waited for (the ranks share calls), actors that wait are not; the
-    trajectories are the reference's."""
+    that compute are waited for (a wait up to their step time), actors that wait are not;
+    the trajectories are the reference's. (How many calls the wait saves depends on the
+    machine's load: benchmarks/host_env.py measures it; a long fixed wait batching every
+    chunk is tested above.)"""
     env_fn = functools.partial(_PacedPointEnv, how=how)
     with ray_runner(make_collector(), env_fn, transport=transport) as runner:
         assert runner.batch_wait_s == "auto"
         got = by_source(runner.run())
-        shares, wait, calls = list(runner._due.share), runner._wait(), runner.calls
-    assert None not in shares
-    mean, case = sum(shares) / len(shares), (transport, how, shares, wait, calls)
+        shares, wait, took = list(runner._due.share), runner._wait(), list(runner._due.took)
+    assert None not in shares and None not in took
+    mean, case = sum(shares) / len(shares), (transport, how, shares, wait, took)
     if how == "spin":
-        assert mean >= 0.5 and wait > 0 and calls < RANKS * STEPS * E * T, case
+        assert mean >= 0.5 and wait == pytest.approx(min(max(took), 0.05)), case
     else:
         assert mean < 0.5 and wait == 0.0, case
     for k in reference:

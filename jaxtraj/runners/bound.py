@@ -392,6 +392,12 @@ class CpuMeter:
             os.close(self._fd)
             self._fd = None
 
+    def __del__(self) -> None:  # one dropped unclosed (an EnvWorker in this process)
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 (at interpreter exit, os may be gone)
+            pass
+
 
 def _host(tree: Any) -> Any:
     """Device arrays (``jax.Array``) in call arguments as numpy: what crosses to the
