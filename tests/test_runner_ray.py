@@ -540,7 +540,8 @@ def _env_unreachable(rank, unreachable, die_at=None, marker=None, error=None):
 
     env = PointEnv(rank, die_at=die_at if die_at and rank == die_at[2] else None,
                    marker=marker, snapshots=False)
-    if rank in unreachable or (marker is not None and os.path.exists(marker)):
+    restarted = die_at is not None and rank == die_at[2] and os.path.exists(marker)
+    if rank in unreachable or restarted:  # (another rank's actor may start late: not it)
         def refused(address, *args, **kwargs):
             raise error or ConnectionRefusedError(111, "Connection refused (a firewall)")
 
