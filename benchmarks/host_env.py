@@ -518,7 +518,8 @@ def settle(max_s: float = 60.0, window_s: float = 0.5, busy_below: float = 0.25)
         after = cpu_times()
         if before is None or after is None:  # no /proc/stat: nothing to wait for
             break
-        d = [y - x for x, y in zip(before, after)]
+        # user .. steal (guest time is counted in user already, as in steal_share)
+        d = [y - x for x, y in zip(before[:8], after[:8])]
         if (sum(d) - d[3] - d[4]) / max(sum(d), 1) * os.cpu_count() < busy_below:
             break
     return time.monotonic() - start

@@ -195,15 +195,19 @@ class EnvWorker:
         self.prev = None  # the last chunk's EnvTransition (chunk 0 carries its flags)
         self._meter: tuple[int, CpuMeter] | None = None  # (thread, its meter)
 
-    def _metered(self) -> CpuMeter:
-        """A meter of this process's CPU (EnvPool's threads too) for the thread that
-        steps (the one Ray runs this actor's calls in: the meter reads its run delay)."""
+    def _metered_step(self, key: TrajectoryKey, actions: Any) -> tuple[Any, float | None]:
+        """``env.step(key, actions)`` and the share of it on CPU, by a meter of this
+        process's CPU (EnvPool's threads too) kept for the thread that steps (the one Ray
+        runs this actor's calls in: the meter reads its run delay)."""
         me = threading.get_ident()
         if self._meter is None or self._meter[0] != me:
             if self._meter is not None:
                 self._meter[1].close()
             self._meter = (me, CpuMeter(time.process_time))
-        return self._meter[1]
+        meter = self._meter[1]
+        meter.start()
+        out = self.env.step(key, actions)
+        return out, meter.share()
 
     def pid(self) -> int:
         return os.getpid()
@@ -218,10 +222,7 @@ class EnvWorker:
         the share of the step on CPU)``; the learner completes the half (terminal
         inference on ``EnvStep.final_obs``)."""
         key = TrajectoryKey(*key)
-        meter = self._metered()
-        meter.start()
-        out = self.env.step(key, actions)
-        share = meter.share()
+        out, share = self._metered_step(key, actions)
         part = env_part(self.plan, key, out, self.prev)
         self.obs, self.prev = out.obs, out.transition
         # Only what the learner reads travels back (not per-action observations).
@@ -256,10 +257,7 @@ class EnvWorker:
         EnvStep, snapshot, the share of the step on CPU)``, the env half made in the
         learner (from the same EnvStep and the previous chunk's transition, which the
         learner keeps)."""
-        meter = self._metered()
-        meter.start()
-        out = self.env.step(key, actions)
-        share = meter.share()
+        out, share = self._metered_step(key, actions)
         if not isinstance(out, EnvStep):
             raise TypeError(f"env.step must return an EnvStep, got {type(out).__name__}")
         self.obs, self.prev = out.obs, out.transition
