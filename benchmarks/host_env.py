@@ -24,6 +24,10 @@ episode), ``K = 4`` actions per chunk, ``T = 16`` chunks per training step, ``E 
   isolate the adapter's cost;
 - ``a_collector`` (a'): loop ``a`` feeding ``TrajectoryCollector.add`` both halves of
   every chunk (rollout mode, flushed each step), to isolate the collector's cost;
+- ``a_threads`` (a2): loop ``a`` twice over B/2, in two threads of this process at once,
+  each with its own policy calls: what two thread ranks of the env allow here, the GIL
+  included, with no hand-off, no call shared and nothing collected (a bound on ``b`` and
+  ``c`` in the same round);
 - ``b``: :class:`~jaxtraj.runners.threads.AsyncRunner`, two env ranks (two vector envs
   of B/2 each), ``value_fn`` on the policy side, ``run(num_steps=1)`` per training step;
   one ``policy_fn`` call serves the ranks ready (B rows, as the hand loop's), its default
@@ -86,7 +90,9 @@ and ``d4`` / ``d4_direct`` / ``d4_actor`` at least 3x; ``d``, ``d_direct`` and `
 the CPU the configuration used allows (``cpu_ceiling``): the reference's wall time over
 the configuration's CPU per training step (its process's threads and its env processes)
 spread over every core, every core busy every moment; no schedule runs faster at that
-CPU. Not for Ray's configurations, whose actors' CPU is not counted.
+CPU. Not for Ray's configurations, whose actors' CPU is not counted. Beside ``b``, what
+two threads allow (``threads_allow``): ``a_threads`` against the reference, the median
+of its per-round ratios.
 
 What the machine allows (``env_scaling``, not ``--quick``): each env's raw vector env (no
 adapter, no policy) stepping a training step's ``T * K`` vector steps with random
@@ -157,7 +163,7 @@ ENVS = {
     "sleep1ms": dict(kind="sleep", task="Sleep1ms", B=8),
 }
 CONFIGS = [
-    "a", "a_adapter", "a_collector", "b", "b_proc", "b0_proc", "bw_proc", "b1", "b1_proc", "bt",
+    "a", "a_adapter", "a_collector", "a_threads", "b", "b_proc", "b0_proc", "bw_proc", "b1", "b1_proc", "bt",
     "bt_proc", "b4", "b4_proc", "c",
     "c_proc", "d", "d_direct",
     "d_actor", "d4", "d4_direct", "d4_actor", "a_1core", "b_1core", "a_null", "b_null",
@@ -168,7 +174,7 @@ ONLY = {"b1": {"halfcheetah"}, "b1_proc": {"halfcheetah"}, "bt": {"halfcheetah"}
         "b4": {"sleep1ms"}, "b4_proc": {"sleep1ms"}, "d4": {"sleep1ms"}, "d4_direct": {"sleep1ms"},
         "d4_actor": {"sleep1ms"}}
 # On the latency-bound env: what is measured is overlap (the rest is the CPU-bound envs').
-SLEEP_CONFIGS = {"a", "b", "b_proc", "b0_proc", "bw_proc", "b4", "b4_proc", "d", "d_direct", "d4",
+SLEEP_CONFIGS = {"a", "a_threads", "b", "b_proc", "b0_proc", "bw_proc", "b4", "b4_proc", "d", "d_direct", "d4",
                  "d4_direct", "d4_actor"}
 RANKS = {"b1": 1, "b1_proc": 1, "b4": 4, "b4_proc": 4, "d4": 4, "d4_direct": 4, "d4_actor": 4}
 # (env, configuration, reference configuration, the least ratio): issue 26's targets, for
@@ -194,11 +200,14 @@ TARGETS = [
     ("sleep1ms", "d4_direct", "a", 3.0),
     ("sleep1ms", "d4_actor", "a", 3.0),
 ]
+# Runner configurations of 2 ranks in threads of this process: a_threads bounds them.
+THREAD_RANKS_2 = {"b", "c"}
 REF = {"b_1core": "a_1core", "b_null": "a_null"}  # a second ratio, to a like-for-like (a)
 LABELS = {
     "a": "(a) hand loop, 1 vector env (floor)",
     "a_adapter": "(a) hand loop over the adapter",
     "a_collector": "(a') hand loop + collector.add",
+    "a_threads": "(a2) two hand loops of B/2 in 2 threads at once (what threads allow)",
     "b": "(b) AsyncRunner, 2 ranks",
     "b_proc": "(b) AsyncRunner, 2 ranks, env processes",
     "b0_proc": "(b0) AsyncRunner, 2 ranks, env processes, batch_wait_s 0",
@@ -670,6 +679,26 @@ class HandLoop:
             self.train_step()
 
 
+class TwoLoops:
+    """Configuration a_threads (a2): two hand loops (:class:`HandLoop`, configuration a's
+    loop) of B/2 each, in two threads of this process at once: each its own policy calls
+    on its rows, its K raw env steps a chunk, its ``value_fn``; no runner, nothing
+    collected, no hand-off, no call shared. The leanest two thread ranks of this env
+    could be, the GIL included: the most ``b`` or ``c`` (which also hand off, batch and
+    collect) could reach in the same round."""
+
+    def __init__(self, spec, B, params, policy_fn, value_fn, camera, seed, ranks=2):
+        self.loops = [HandLoop(spec, B // ranks, params, policy_fn, value_fn, camera,
+                               seed + 1000 * r) for r in range(ranks)]
+
+    def run(self, steps):
+        threads = [threading.Thread(target=loop.run, args=(steps,)) for loop in self.loops]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+
 class Runner:
     """Configurations b / b4 / c / d / d_actor / d4: a runner over ``ranks`` env ranks of
     B / ranks each, run(num_steps=1) per training step."""
@@ -951,6 +980,8 @@ def bench_env(name, spec, configs, rounds, steps, camera, seed=0, settle_s=60.0)
             made[c] = HandLoop(spec, B, adapter=True, **common)
         elif base == "a_collector":
             made[c] = HandLoop(spec, B, collector=True, obs_dim=obs_dim, A=A, **common)
+        elif base == "a_threads":
+            made[c] = TwoLoops(spec, B, **common)
         else:
             made[c] = Runner(base, spec, B, ranks=RANKS.get(base, 2), **common)
         made[base] = made[c]
@@ -1085,24 +1116,30 @@ def targets(results: dict, machine_line: str, cpus: int | None = None) -> list[d
             )
             if cpus:
                 entry["cpu_ceiling"] = cpu_ceiling(cfg, c, ref, cpus)
+            if c in THREAD_RANKS_2 and "a_threads" in cfg:  # the env's own stepping in threads
+                entry["threads_allow"] = statistics.median(
+                    x / y for x, y in zip(cfg["a_threads"]["steps_per_s"], cfg[ref]["steps_per_s"]))
         out.append(entry)
     return out
 
 
 def targets_table(rows: list[dict]) -> str:
-    lines = ["| env | configuration | against | target | measured | status | CPU allows |",
-             "|---|---|---|---:|---:|---|---:|"]
+    lines = ["| env | configuration | against | target | measured | status | CPU allows | "
+             "threads allow |", "|---|---|---|---:|---:|---|---:|---:|"]
     for t in rows:
         got = "-" if t["ratio"] is None else f"{t['ratio']:.3f}x"  # 3.395x: under 3.4x
         most = "-" if t.get("cpu_ceiling") is None else f"{t['cpu_ceiling']:.2f}x"
+        threads = "-" if t.get("threads_allow") is None else f"{t['threads_allow']:.2f}x"
         lines.append(
             f"| {t['env']} | {LABELS[t['config']]} | {LABELS[t['reference']]} | "
-            f">= {t['target']:.1f}x | {got} | {t['status']} | {most} |"
+            f">= {t['target']:.1f}x | {got} | {t['status']} | {most} | {threads} |"
         )
     lines.append(
         "\nCPU allows: the ratio at which the configuration would run, at the CPU it used "
         "per training step (its process's threads and its env processes), were every core "
-        "busy every moment: above it no schedule can go without spending less CPU."
+        "busy every moment: above it no schedule can go without spending less CPU. Threads "
+        "allow (2 thread ranks): (a2) against the reference in the same rounds, two hand "
+        "loops of B/2 in two threads at once, nothing collected."
     )
     return "\n".join(lines)
 

@@ -221,10 +221,11 @@ def page_host_env(d: dict, out: Path) -> str:
     if d.get("targets"):
         text += "\n### Targets (issue 26)\n\n" + table(
             ["env", "config", "against", "target", "measured (median of per-round ratios)",
-             "status", "CPU allows"],
+             "status", "CPU allows", "threads allow"],
             [[t["env"], t["config"], t["reference"], f">= {t['target']}x",
               "-" if t["ratio"] is None else f"{t['ratio']:.3f}x", t["status"],
-              "-" if t.get("cpu_ceiling") is None else f"{t['cpu_ceiling']:.2f}x"]
+              "-" if t.get("cpu_ceiling") is None else f"{t['cpu_ceiling']:.2f}x",
+              "-" if t.get("threads_allow") is None else f"{t['threads_allow']:.2f}x"]
              for t in d["targets"]])
         if any(t.get("cpu_ceiling") is not None for t in d["targets"]):
             text += ("\nCPU allows: the ratio at which the configuration would run at the "
@@ -232,6 +233,13 @@ def page_host_env(d: dict, out: Path) -> str:
                      "processes, medians), spread over every core with every core busy "
                      "every moment: no schedule goes above it without spending less CPU. "
                      "Not for Ray's configurations, whose actors' CPU is not counted.\n")
+        if any(t.get("threads_allow") is not None for t in d["targets"]):
+            text += ("\nThreads allow (a runner of 2 thread ranks): (a2) against the same "
+                     "reference, the median of its per-round ratios: the hand loop twice "
+                     "over B/2, in two threads at once, each with its own policy calls, "
+                     "nothing collected, in the same rounds: the most 2 thread ranks of this "
+                     "env could reach here, the GIL included, with hand-offs and collection "
+                     "free.\n")
     if d.get("env_scaling"):
         text += ("\n### What two env processes gain here\n\nEach env's raw vector env (no "
                  "adapter, no policy), a training step's vector steps in fresh processes: "

@@ -18,7 +18,7 @@ def test_host_env_benchmark_smoke(tmp_path):
     pytest.importorskip("gymnasium")
     pytest.importorskip("mujoco")
     out = tmp_path / "host_env.json"
-    configs = "a,a_adapter,a_collector,b,b_proc,b0_proc,bw_proc,c,a_null,b_null"
+    configs = "a,a_adapter,a_collector,a_threads,b,b_proc,b0_proc,bw_proc,c,a_null,b_null"
     subprocess.run(
         [
             sys.executable,
@@ -159,3 +159,27 @@ def test_targets_report_what_the_cpu_used_allows():
     assert got[("hopper", "d_direct", "b")]["cpu_ceiling"] is None
     table = host_env.targets_table(rows)
     assert "| CPU allows |" in table and "| 0.80x |" in table
+    assert "threads_allow" not in b  # no (a2) measured
+
+
+def test_targets_report_what_two_bare_threads_allow():
+    """Beside a runner of 2 thread ranks: (a2), the env's own stepping in two threads at
+    once, against the same reference, the median of its per-round ratios; none beside a
+    runner of env processes."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import host_env
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    cfg = {
+        "a": {"ms_per_training_step_median": 20.0, "steps_per_s": [100.0, 100.0, 100.0]},
+        "a_threads": {"ms_per_training_step_median": 15.0, "steps_per_s": [120.0, 170.0, 125.0]},
+        "b": {"ms_per_training_step_median": 19.0, "steps_per_s": [105.0, 110.0, 100.0]},
+        "b_proc": {"ms_per_training_step_median": 18.0, "steps_per_s": [110.0, 112.0, 111.0]},
+    }
+    rows = host_env.targets({"hopper": {"configs": cfg}}, "machine")
+    got = {(t["env"], t["config"], t["reference"]): t for t in rows}
+    assert got[("hopper", "b", "a")]["threads_allow"] == pytest.approx(1.25)  # 1.2, 1.7, 1.25
+    assert "threads_allow" not in got[("hopper", "b_proc", "a")]
+    table = host_env.targets_table(rows)
+    assert "| threads allow |" in table and "| 1.25x |" in table
