@@ -237,9 +237,10 @@ def page_host_env(d: dict, out: Path) -> str:
             text += ("\nThreads allow (a runner of 2 thread ranks): (a2) against the same "
                      "reference, the median of its per-round ratios: the hand loop twice "
                      "over B/2, in two threads at once, each with its own policy calls, "
-                     "nothing collected, in the same rounds: the most 2 thread ranks of this "
-                     "env could reach here, the GIL included, with hand-offs and collection "
-                     "free.\n")
+                     "nothing collected, in the same rounds: about the most 2 thread ranks of "
+                     "this env could do here, the GIL included, with no hand-off and nothing "
+                     "collected (not a strict bound: its loops call the policy on B/2 rows "
+                     "each).\n")
     if d.get("env_scaling"):
         text += ("\n### What two env processes gain here\n\nEach env's raw vector env (no "
                  "adapter, no policy), a training step's vector steps in fresh processes: "

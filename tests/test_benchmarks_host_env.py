@@ -163,7 +163,7 @@ def test_targets_report_what_the_cpu_used_allows():
 
 
 def test_targets_report_what_two_bare_threads_allow():
-    """Beside a runner of 2 thread ranks: (a2), the env's own stepping in two threads at
+    """Beside the runner of 2 thread ranks: (a2), two hand loops of B/2 in two threads at
     once, against the same reference, the median of its per-round ratios; none beside a
     runner of env processes."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
