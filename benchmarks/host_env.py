@@ -29,7 +29,9 @@ episode), ``K = 4`` actions per chunk, ``T = 16`` chunks per training step, ``E 
   here, the GIL included, with no hand-off, no call shared and nothing collected (not a
   strict bound on ``b`` and ``c``: its loops call the policy on B/2 rows each);
 - ``b``: :class:`~jaxtraj.runners.threads.AsyncRunner`, two env ranks (two vector envs
-  of B/2 each), ``value_fn`` on the policy side, ``run(num_steps=1)`` per training step;
+  of B/2 each, each given as a factory, as the guides show: built in a thread of its own,
+  which runs the rank's loop), ``value_fn`` on the policy side, ``run(num_steps=1)`` per
+  training step;
   one ``policy_fn`` call serves the ranks ready (B rows, as the hand loop's), its default
   ``batch_wait_s="auto"`` (a wait where the ranks' envs compute, none where they wait:
   the wait it chose is recorded, ``batch_wait_ms``);
@@ -714,17 +716,18 @@ class Runner:
         factory = EnvFactory(spec["kind"], spec["task"], part, seed, camera, threads)
         plan = TrajectoryPlan(num_chunks=T, num_epochs=E, batch_size=part, num_env_ranks=ranks)
         ray_runner = which.startswith("d")
-        elsewhere = ray_runner or which.endswith("_proc")  # envs built in other processes
-        probe = factory(0) if elsewhere else None
-        envs = [factory(r) for r in range(ranks)] if not elsewhere else None
+        # Every env built where it runs, from a factory (as the guides show): a thread of
+        # its own that runs the rank's loop, an env process, or a Ray actor.
+        envs = [functools.partial(factory, r) for r in range(ranks)]
         if null is not None:
             envs = [NullEnv(null, camera) for _ in range(ranks)]
-        spec_env = probe if probe is not None else envs[0]
+        spec_env = factory(0) if null is None else envs[0]  # the example parts' shapes
         out = jax.eval_shape(policy_fn, params, spec_env.spec().obs, row_keys_spec(part))
         self.collector = jaxtraj.TrajectoryCollector(plan, *example_parts(spec_env, plan, out))
         self.timer = CollectorTimer(self.collector)
+        if null is None:
+            spec_env.close()
         if ray_runner:
-            probe.close()
             from jaxtraj.runners.ray import RayRunner
 
             opts = dict(transport="ray")  # d, d4: a Ray actor call per chunk
@@ -742,8 +745,6 @@ class Runner:
             cls = DecoupledRunner if which.startswith("c") else AsyncRunner
             opts = {}
             if which.endswith("_proc"):  # each rank's env built and stepped in its process
-                probe.close()
-                envs = [functools.partial(factory, r) for r in range(ranks)]
                 opts["env_workers"] = "process"
             if which.startswith("bw"):
                 opts["batch_wait_s"] = 0.005

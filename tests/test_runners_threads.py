@@ -749,7 +749,7 @@ def test_env_ranks_the_collector_does_not_own_are_refused_before_any_env_is_buil
 def test_env_factories_run_in_a_thread_of_their_own_and_bad_ones_name_the_rank():
     from jaxtraj.runners.bound import ThreadBoundEnv
 
-    built_in, stepped_in = {}, {}
+    built_in, stepped_in, workers = {}, {}, {}
 
     class Recording(PointEnv):
         def __init__(self, rank):
@@ -757,7 +757,12 @@ def test_env_factories_run_in_a_thread_of_their_own_and_bad_ones_name_the_rank()
             built_in[rank] = threading.current_thread().name
 
         def step(self, key, actions):
-            stepped_in.setdefault(self.rank, set()).add(threading.current_thread().name)
+            name = threading.current_thread().name
+            stepped_in.setdefault(self.rank, set()).add(name)
+            # the runner's loop for this rank runs here: no second thread of the rank's
+            # name hands each chunk over (one hand-off a chunk, each way, saved)
+            workers.setdefault(self.rank, set()).add(
+                sum(t.name == name for t in threading.enumerate()))
             return super().step(key, actions)
 
         def where(self, tag):  # an env's own method, called by the user through the runner
@@ -776,7 +781,12 @@ def test_env_factories_run_in_a_thread_of_their_own_and_bad_ones_name_the_rank()
         assert_same(got[k], ref[k])  # the same trajectories as envs given directly
     for r in range(RANKS):
         assert stepped_in[r] == {built_in[r]} == {f"jaxtraj-env_worker_{r}"}
-    for env in runner.envs:
+        assert workers[r] == {1}
+    runner.envs[0].close()  # closed under the runner: the next run names the rank, no hang
+    with pytest.raises(RunnerError, match="thread has ended") as info:
+        runner.run()
+    assert info.value.worker == "env_worker_0"
+    for env in runner.envs[1:]:
         env.close()
 
     def broken():

@@ -6,8 +6,9 @@ thread comes out black (every pixel zero), silently. A runner given a *factory* 
 callable that builds the env) instead of an env wraps it in :class:`ThreadBoundEnv`: the
 factory runs in a dedicated thread, and every call the runner makes (``reset``,
 ``step``, ``spec``, ``check_against``, ``close``) is executed in that thread, whichever
-worker thread of whichever ``run()`` makes it. A hand-off costs one queue round trip per
-call (a chunk of ``K`` env steps is one call).
+worker thread of whichever ``run()`` makes it. The thread runners run a rank's whole
+worker loop in that thread (:meth:`ThreadBoundEnv.job`), so a chunk's step is a direct
+call there; a call from any other thread is handed over, one queue round trip each.
 
 :class:`ProcessBoundEnv` does the same in a process of its own (``env_workers="process"``
 of the host runners): a simulator stepped in Python holds the GIL, and threads of one
@@ -139,7 +140,10 @@ class ThreadBoundEnv(_Bound):
             reply.put((True, value, meter.share()))
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """``env.<method>(*args, **kwargs)``, executed in the env's thread."""
+        """``env.<method>(*args, **kwargs)``, executed in the env's thread (directly,
+        where the caller is that thread: a job's, see :meth:`start_job`)."""
+        if threading.current_thread() is self._thread:
+            return getattr(self._env, method)(*args, **kwargs)
         if not self._thread.is_alive():
             raise RuntimeError(f"{self.name}: the env's thread has ended (closed)")
         reply: queue.SimpleQueue = queue.SimpleQueue()
@@ -149,6 +153,22 @@ class ThreadBoundEnv(_Bound):
             raise value
         self.cpu_share = share
         return value
+
+    def local(self) -> Any:
+        """The env itself, called from its own thread (a job's); else this wrapper."""
+        return self._env if threading.current_thread() is self._thread else self
+
+    def job(self, fn: Callable[..., Any], *args: Any, name: str | None = None) -> _Job:
+        """``fn(*args)`` to run in the env's thread, not waiting for it: a runner's env
+        worker loop, whose steps are then direct calls where the env was built (no
+        hand-off a chunk). The job reads as a thread: ``start()``, ``join(timeout)``,
+        ``is_alive()``, ``name``. ``fn`` handles its own errors (one raised is kept
+        as :attr:`_Job.error`)."""
+        return _Job(self, fn, args, name or f"jaxtraj-{self.name}")
+
+    def alive(self) -> bool:
+        """Whether the env's thread still serves calls (not closed)."""
+        return self._thread.is_alive()
 
     def check_against(self, example: Any) -> None:
         check = getattr(self._env, "check_against", None)
@@ -175,6 +195,48 @@ class ThreadBoundEnv(_Bound):
         if callable(value):  # a method: executed in the env's thread, as reset and step
             return functools.partial(self.call, name)
         return value
+
+
+class _Job:
+    """Work handed to a :class:`ThreadBoundEnv`'s thread without waiting for it (see
+    :meth:`ThreadBoundEnv.job`); joined like a thread."""
+
+    def __init__(self, env: ThreadBoundEnv, fn: Callable[..., Any], args: tuple, name: str):
+        self.env, self.fn, self.args, self.name = env, fn, args, name
+        self.error: BaseException | None = None
+        self._done = threading.Event()
+        self._started = False
+
+    def _run(self) -> None:
+        try:
+            self.fn(*self.args)
+        except BaseException as exc:  # noqa: BLE001 (kept; the runner's fn guards its own)
+            self.error = exc
+        finally:
+            self._done.set()
+
+    def start(self) -> None:
+        if not self.env.alive():
+            raise RuntimeError(f"{self.env.name}: the env's thread has ended (closed)")
+        self._started = True
+        self.env._calls.put((self._run, (), {}, _DISCARD))
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._started:
+            self._done.wait(timeout)
+
+    def is_alive(self) -> bool:
+        return self._started and not self._done.is_set()
+
+
+class _Discard:
+    """A reply queue that keeps nothing (a job's: it reports through itself)."""
+
+    def put(self, item: Any) -> None:
+        pass
+
+
+_DISCARD = _Discard()
 
 
 # --------------------------------------------------------------------------- processes

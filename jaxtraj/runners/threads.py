@@ -398,15 +398,7 @@ class AsyncRunner:
             finally:
                 self._stop.set()
         else:
-            self._threads = [
-                threading.Thread(
-                    target=self._guard,
-                    args=(f"env_worker_{r}", self._env_worker, i),
-                    name=f"jaxtraj-env_worker_{r}",
-                    daemon=True,
-                )
-                for i, r in enumerate(self.env_ranks)
-            ]
+            self._threads = [self._env_thread(i, r) for i, r in enumerate(self.env_ranks)]
             self._threads.append(
                 threading.Thread(
                     target=self._guard,
@@ -596,22 +588,36 @@ class AsyncRunner:
     def _check_obs(self, obs: PyTree, key: TrajectoryKey) -> None:
         self._obs_check(obs, key)
 
+    def _env_thread(self, i: int, rank: int) -> Any:
+        """Env rank ``rank``'s worker for this run: an env built from a factory runs it
+        in its own thread (each step a direct call where the env lives, no hand-off a
+        chunk); an env given built, in a thread started for the run."""
+        name = f"env_worker_{rank}"
+        env = self.envs[i]
+        if isinstance(env, ThreadBoundEnv) and env.alive():
+            return env.job(self._guard, name, self._env_worker, i, name=f"jaxtraj-{name}")
+        return threading.Thread(target=self._guard, args=(name, self._env_worker, i),
+                                name=f"jaxtraj-{name}", daemon=True)
+
     def _env_worker(self, i: int, ctx: dict) -> None:
         """Env rank ``env_ranks[i]``: request each chunk's actions, execute them, and hand
         the env half (with what terminal inference needs) to the policy worker, which
         completes and publishes it, as in the seed; without a ``value_fn`` there is
         nothing to complete and the env worker publishes it."""
+        env = self.envs[i]
+        if isinstance(env, ThreadBoundEnv):  # in its thread (a job): the env itself
+            env = env.local()
         # An env stepped in this thread is measured here (its share on CPU); a bound env
-        # measures itself where it runs.
-        meter = None if isinstance(self.envs[i], _Bound) else CpuMeter(time.thread_time)
+        # stepped elsewhere measures itself where it runs.
+        meter = None if isinstance(env, _Bound) else CpuMeter(time.thread_time)
         try:
-            self._env_steps(i, ctx, meter)
+            self._env_steps(i, ctx, meter, env)
         finally:
             if meter is not None:
                 meter.close()
 
-    def _env_steps(self, i: int, ctx: dict, meter: CpuMeter | None) -> None:
-        name, env, rank = f"env_worker_{self.env_ranks[i]}", self.envs[i], self.env_ranks[i]
+    def _env_steps(self, i: int, ctx: dict, meter: CpuMeter | None, env: Any) -> None:
+        name, rank = f"env_worker_{self.env_ranks[i]}", self.env_ranks[i]
         rand = random.Random(self.seed * 7919 + 2 * i + 1)  # its parts' transport delays
         count = self._run_steps * self.plan.num_epochs * self.plan.num_chunks
         key = ctx["key"] = self._key(rank, 0)
