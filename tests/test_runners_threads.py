@@ -205,10 +205,10 @@ def test_jitter_is_a_transport_delay_parts_overtake_and_producers_do_not_wait():
     )
     publish, consume = runner._publish, runner._consumer.__class__.consume
 
-    def logged_publish(worker, part, rand):
+    def logged_publish(worker, part, rand, env=None):
         published.append((worker, part.source.key.as_tuple(), type(part).__name__))
         t0 = time.perf_counter()
-        publish(worker, part, rand)
+        publish(worker, part, rand, env)
         waited.append(time.perf_counter() - t0)
 
     def logged_consume(consumer, worker, part):
@@ -987,3 +987,40 @@ def jaxtraj_children():
     import multiprocessing
 
     return [p for p in multiprocessing.active_children() if p.name.startswith("jaxtraj-")]
+
+
+def test_env_methods_called_during_a_run_are_served_between_its_chunks():
+    """A factory-built env's thread runs its rank's loop during run(); a call to the env
+    from another thread meanwhile (an on_flush reading the envs, the parts queue small
+    enough that the run needs the consumer back to go on) is served between chunks, in
+    the env's thread, not after the run: no deadlock, and the trajectories are unchanged."""
+
+    class Counting(PointEnv):
+        def chunks_seen(self):
+            return threading.current_thread().name, len(self.final_log)
+
+    runner, seen, got = None, [], {}
+
+    def on_flush(_, tr):
+        got[(int(tr.step_id), int(tr.env_rank))] = tr
+        seen.append([env.chunks_seen() for env in runner.envs])
+
+    for value in (None, value_fn):  # env workers publish their halves / the policy side
+        seen.clear()
+        got.clear()
+        runner = AsyncRunner(make_collector(), [lambda r=r: Counting(r) for r in range(RANKS)],
+                             policy_fn, PARAMS, seed=SEED, on_flush=on_flush, queue_size=1,
+                             value_fn=value)
+        thread = threading.Thread(target=runner.run, kwargs={"num_steps": 3}, daemon=True)
+        thread.start()
+        thread.join(60)
+        assert not thread.is_alive(), "run() hung: an env call from on_flush was never served"
+        assert len(seen) == 3 * RANKS
+        for calls in seen:  # every call ran in its env's own thread
+            assert [name for name, _ in calls] == [f"jaxtraj-env_worker_{r}" for r in range(RANKS)]
+        assert any(n < 3 * E * T for calls in seen for _, n in calls)  # some during the run
+        ref = sync_reference(3)
+        for k in ref:
+            assert_same(got[k], ref[k])
+        for env in runner.envs:
+            env.close()

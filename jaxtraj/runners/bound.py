@@ -31,7 +31,7 @@ import time
 import traceback
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -99,6 +99,10 @@ class ThreadBoundEnv(_Bound):
     def __init__(self, factory: Callable[[], Any], name: str = "env"):
         self.name = name
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        # While a job runs in the env's thread, calls from other threads go to the job's
+        # inbox, which it serves between its own steps (see job()).
+        self._inbox: Any = None
+        self._lock = threading.Lock()
         ready: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(
             target=self._serve, args=(factory, ready), name=f"jaxtraj-{name}", daemon=True
@@ -130,24 +134,34 @@ class ThreadBoundEnv(_Bound):
             if item is _STOP:
                 meter.close()
                 return
-            fn, args, kwargs, reply = item
+            self.serve(item, meter)
+
+    @staticmethod
+    def serve(item: EnvCall, meter: CpuMeter | None = None) -> None:
+        """Execute a call handed over from another thread, here (the env's thread), and
+        reply: its result, or the exception it raised (raised in the caller's thread)."""
+        fn, args, kwargs, reply = item
+        if meter is not None:
             meter.start()
-            try:
-                value = fn(*args, **kwargs)
-            except BaseException as exc:  # noqa: BLE001 (raised in the caller's thread)
-                reply.put((False, exc, None))
-                continue
-            reply.put((True, value, meter.share()))
+        try:
+            value = fn(*args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 (raised in the caller's thread)
+            reply.put((False, exc, None))
+            return
+        reply.put((True, value, None if meter is None else meter.share()))
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """``env.<method>(*args, **kwargs)``, executed in the env's thread (directly,
-        where the caller is that thread: a job's, see :meth:`start_job`)."""
+        """``env.<method>(*args, **kwargs)``, executed in the env's thread: directly where
+        the caller is that thread (a job's, see :meth:`job`), else handed over (to the
+        running job, which serves it between its steps, or to the thread itself)."""
         if threading.current_thread() is self._thread:
             return getattr(self._env, method)(*args, **kwargs)
         if not self._thread.is_alive():
             raise RuntimeError(f"{self.name}: the env's thread has ended (closed)")
         reply: queue.SimpleQueue = queue.SimpleQueue()
-        self._calls.put((getattr(self._env, method), args, kwargs, reply))
+        item = EnvCall(getattr(self._env, method), args, kwargs, reply)
+        with self._lock:
+            (self._calls if self._inbox is None else self._inbox).put(item)
         ok, value, share = reply.get()
         if not ok:
             raise value
@@ -158,13 +172,20 @@ class ThreadBoundEnv(_Bound):
         """The env itself, called from its own thread (a job's); else this wrapper."""
         return self._env if threading.current_thread() is self._thread else self
 
-    def job(self, fn: Callable[..., Any], *args: Any, name: str | None = None) -> _Job:
+    def job(self, fn: Callable[..., Any], *args: Any, inbox: Any, name: str | None = None
+            ) -> _Job:
         """``fn(*args)`` to run in the env's thread, not waiting for it: a runner's env
         worker loop, whose steps are then direct calls where the env was built (no
         hand-off a chunk). The job reads as a thread: ``start()``, ``join(timeout)``,
         ``is_alive()``, ``name``. ``fn`` handles its own errors (one raised is kept
-        as :attr:`_Job.error`)."""
-        return _Job(self, fn, args, name or f"jaxtraj-{self.name}")
+        as :attr:`_Job.error`).
+
+        While it runs, a call from another thread (``env.render()`` from an ``on_flush``)
+        is put on ``inbox`` (a queue ``fn`` reads anyway, e.g. for its actions) as an
+        :class:`EnvCall`: ``fn`` passes what it reads of that type to :meth:`serve`, and
+        serves ``inbox`` while it waits for anything else. What is left there when ``fn``
+        returns is served then."""
+        return _Job(self, fn, args, name or f"jaxtraj-{self.name}", inbox)
 
     def alive(self) -> bool:
         """Whether the env's thread still serves calls (not closed)."""
@@ -197,22 +218,45 @@ class ThreadBoundEnv(_Bound):
         return value
 
 
+class EnvCall(NamedTuple):
+    """A call to a :class:`ThreadBoundEnv`'s env from another thread, handed to the env's
+    thread: ``fn(*args, **kwargs)``, its outcome put on ``reply``."""
+
+    fn: Callable[..., Any]
+    args: tuple
+    kwargs: dict
+    reply: Any
+
+
 class _Job:
     """Work handed to a :class:`ThreadBoundEnv`'s thread without waiting for it (see
     :meth:`ThreadBoundEnv.job`); joined like a thread."""
 
-    def __init__(self, env: ThreadBoundEnv, fn: Callable[..., Any], args: tuple, name: str):
-        self.env, self.fn, self.args, self.name = env, fn, args, name
+    def __init__(self, env: ThreadBoundEnv, fn: Callable[..., Any], args: tuple, name: str,
+                 inbox: Any):
+        self.env, self.fn, self.args, self.name, self.inbox = env, fn, args, name, inbox
         self.error: BaseException | None = None
         self._done = threading.Event()
         self._started = False
 
     def _run(self) -> None:
+        env = self.env
+        with env._lock:
+            env._inbox = self.inbox
         try:
             self.fn(*self.args)
         except BaseException as exc:  # noqa: BLE001 (kept; the runner's fn guards its own)
             self.error = exc
         finally:
+            with env._lock:
+                env._inbox = None  # calls from now on go to the env's thread itself
+            while True:  # the calls handed to the job that it left: served now
+                try:
+                    item = self.inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if type(item) is EnvCall:
+                    env.serve(item)
             self._done.set()
 
     def start(self) -> None:

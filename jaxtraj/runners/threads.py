@@ -60,7 +60,14 @@ from typing import Any
 import numpy as np
 
 from jaxtraj.collector import TrajectoryCollector
-from jaxtraj.runners.bound import CpuMeter, ProcessBoundEnv, ThreadBoundEnv, _Bound, is_factory
+from jaxtraj.runners.bound import (
+    CpuMeter,
+    EnvCall,
+    ProcessBoundEnv,
+    ThreadBoundEnv,
+    _Bound,
+    is_factory,
+)
 from jaxtraj.runners.service import (  # noqa: F401  (re-exported: the public names)
     Consumer,
     Env,
@@ -291,6 +298,7 @@ class AsyncRunner:
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._parts: queue.Queue = queue.Queue(queue_size)
         self._replies = [queue.SimpleQueue() for _ in self.envs]
+        self._held_replies = [collections.deque() for _ in self.envs]  # see _serve_calls
         self._threads: list[threading.Thread] = []
         self._held: list = []  # parts in transit at the consumer (jitter_s): a heap
         self._batch: collections.deque = collections.deque()  # a round's halves, not yet consumed
@@ -371,6 +379,7 @@ class AsyncRunner:
         # Fresh queues: nothing of an earlier run is served or executed in this one.
         self._requests, self._parts = queue.SimpleQueue(), queue.Queue(self._parts.maxsize)
         self._replies = [queue.SimpleQueue() for _ in self.envs]
+        self._held_replies = [collections.deque() for _ in self.envs]  # see _serve_calls
         self._consumer = consumer = Consumer(self.collector, self.on_flush, self.output_queue)
         self._rng_steps = StepRngs(self.plan, self.seed, self.env_ranks, self.stage_id)
         self._due.new_run()
@@ -520,11 +529,15 @@ class AsyncRunner:
                 self._failure = (worker, key, exc)
         self._stop.set()
 
-    def _put(self, q: queue.Queue, item: Any, name: str) -> None:
+    def _put(self, q: queue.Queue, item: Any, name: str, env: int | None = None) -> None:
+        """Put ``item`` on ``q``, waiting while it is full; ``env``: the index of the env
+        whose worker waits, which meanwhile serves the calls handed to it."""
         while not self._stop.is_set():
             try:
                 q.put(item, timeout=_POLL_S)
             except queue.Full:
+                if env is not None:
+                    self._serve_calls(env)
                 continue
             size = q.qsize()
             if size > self.max_qsize[name]:
@@ -540,13 +553,40 @@ class AsyncRunner:
                 continue
         raise _Stopped
 
-    def _publish(self, worker: str, part: Any, rand: random.Random) -> None:
+    def _publish(self, worker: str, part: Any, rand: random.Random, env: int | None = None
+                 ) -> None:
         due = time.monotonic() + rand.uniform(0.0, self.jitter_s) if self.jitter_s else 0.0
         if self.env_workers == "process":  # jitter_s only (else _emit keeps it for _flush):
             heapq.heappush(self._held, (due, self._order, worker, part))  # held here
             self._order += 1
             return
-        self._put(self._parts, (due, worker, part), "parts")
+        self._put(self._parts, (due, worker, part), "parts", env)
+
+    def _actions(self, i: int) -> Any:
+        """Env ``i``'s actions for its next chunk (its worker), serving meanwhile the calls
+        to the env that other threads handed to it (an env built from a factory, whose
+        thread runs the worker: ``ThreadBoundEnv.job``)."""
+        held = self._held_replies[i]
+        if held:
+            return held.popleft()
+        while True:
+            item = self._get(self._replies[i])
+            if type(item) is not EnvCall:
+                return item
+            ThreadBoundEnv.serve(item)
+
+    def _serve_calls(self, i: int) -> None:
+        """Serve the calls to env ``i`` handed to its worker while it waits on something
+        else; actions that came meanwhile are kept, in order, for :meth:`_actions`."""
+        while True:
+            try:
+                item = self._replies[i].get_nowait()
+            except queue.Empty:
+                return
+            if type(item) is EnvCall:
+                ThreadBoundEnv.serve(item)
+            else:
+                self._held_replies[i].append(item)
 
     def _arrive(self) -> float | None:
         """``env_workers="process"``: insert the held parts now due (jitter_s), in due
@@ -594,8 +634,10 @@ class AsyncRunner:
         chunk); an env given built, in a thread started for the run."""
         name = f"env_worker_{rank}"
         env = self.envs[i]
-        if isinstance(env, ThreadBoundEnv) and env.alive():
-            return env.job(self._guard, name, self._env_worker, i, name=f"jaxtraj-{name}")
+        if isinstance(env, ThreadBoundEnv) and env.alive():  # calls from other threads
+            # meanwhile come in with its actions (served between chunks: _actions)
+            return env.job(self._guard, name, self._env_worker, i, inbox=self._replies[i],
+                           name=f"jaxtraj-{name}")
         return threading.Thread(target=self._guard, args=(name, self._env_worker, i),
                                 name=f"jaxtraj-{name}", daemon=True)
 
@@ -635,7 +677,7 @@ class AsyncRunner:
                 # The previous chunk's env half rides with this chunk's request.
                 self._put(self._requests, (i, key, obs, pending), "requests")
                 pending = None
-            actions = self._get(self._replies[i])
+            actions = self._actions(i)
             if self.pipelined and n + 1 < count:
                 # Decoupled: the policy infers the next chunk from this (stale) observation
                 # while the environment executes this chunk.
@@ -648,7 +690,7 @@ class AsyncRunner:
             obs, prev = out.obs, out.transition
             self._carry[i] = (obs, prev)
             if self.value_fn is None:  # no terminal inference to run: publish it now
-                self._publish(name, part, rand)
+                self._publish(name, part, rand, i)
                 continue
             pending = (name, out, part)
             if self.pipelined:
