@@ -189,6 +189,31 @@ def test_a_step_that_fails_is_raised_after_compact_ones():
         env.close()
 
 
+def test_a_call_while_a_step_is_in_flight_gets_its_own_reply():
+    """A call made while a send is in flight (a runner's on_flush reading the env mid-run)
+    gets its own reply, not the step's; the step's result (or its error) is kept for
+    receive(), which says it is in already."""
+    env, here = ProcessBoundEnv(FailsAt, "env_worker_0"), WireEnv()
+    key = lambda c: TrajectoryKey(0, 0, 0, 0, c)  # noqa: E731
+    ones, twos = np.ones((3, 4, 2), np.float32), np.full((3, 4, 2), 2, np.float32)
+    try:
+        for c in range(2):  # a template first, then compact bytes
+            env.send("step", key(c), ones)
+            assert not env.received_early
+            got = env.call("step", key(5 + c), twos)  # mid-flight
+            _check_same(got, here.step(key(5 + c), twos.copy()), ("call", c))
+            assert env.received_early
+            _check_same(env.receive(), here.step(key(c), ones.copy()), ("in flight", c))
+            assert not env.received_early
+        env.send("step", key(3), ones)  # fails in the env's process
+        _check_same(env.call("step", key(6), twos), here.step(key(6), twos.copy()), "after")
+        with pytest.raises(RuntimeError, match="simulator crashed"):
+            env.receive()
+        _check_same(env.call("step", key(7), ones), here.step(key(7), ones.copy()), "then")
+    finally:
+        env.close()
+
+
 class FailsAt(WireEnv):
     def step(self, key, actions):
         if key.chunk_id == 3:

@@ -843,16 +843,25 @@ def test_process_workers_build_and_step_each_env_in_its_process_with_the_same_tr
     envs = [functools.partial(PidEnv, r, delay_s=0.003) for r in range(RANKS)]
     runner = AsyncRunner(make_collector(), envs, policy_fn, PARAMS, seed=SEED,
                          env_workers="process", batch_wait_s=5.0)
+    read = []  # what an on_flush read of the envs mid-run (each env's process's answer)
+
+    def on_flush(_, tr):
+        got[(int(tr.step_id), int(tr.env_rank))] = tr
+        read.append([env.step_pids for env in runner.envs])
+
     with runner:
         got, calls = {}, []
         for s in range(steps):
             if s == 1:  # rarely batched from here on
                 runner.batch_wait_s, runner.jitter_s = 0.0, 0.003
+            if s == 2:  # the last step's items to an on_flush that reads the envs meanwhile
+                runner.on_flush = on_flush
             got.update({(int(tr.step_id), int(tr.env_rank)): tr for _, tr in runner.run()})
             calls.append(runner.calls)
         pids = [env.built_pid for env in runner.envs]
         assert len(set(pids)) == RANKS and os.getpid() not in pids
         assert [env.step_pids for env in runner.envs] == [{p} for p in pids]
+        assert read == [[{p} for p in pids]] * RANKS
         assert runner_threads() == []  # one worker thread a run, no thread per env
     assert calls[0] == E * T and max(calls[1:]) > E * T  # batched, then not always
     assert sorted(got) == sorted(ref)

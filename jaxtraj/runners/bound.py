@@ -18,6 +18,7 @@ inference, and with each other, in processes.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import multiprocessing
@@ -684,6 +685,9 @@ class ProcessBoundEnv(_Bound):
         ctx = multiprocessing.get_context(context)
         self._conn, child = ctx.Pipe(duplex=True)
         self._lock = threading.Lock()
+        self._sent = 0  # send()s whose reply is still in the pipe
+        # Replies of send()s that a call() read first (outcome tuples), for receive()
+        self._early: collections.deque = collections.deque()
         self._process = ctx.Process(
             target=_env_process, args=(child, payload, name), name=f"jaxtraj-{name}",
             daemon=True,
@@ -773,12 +777,24 @@ class ProcessBoundEnv(_Bound):
         return value
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """``env.<method>(*args, **kwargs)``, executed in the env's process."""
+        """``env.<method>(*args, **kwargs)``, executed in the env's process. Made while a
+        :meth:`send` is in flight (an ``on_flush`` of the runner's, mid-run), it runs
+        after that one, whose result it keeps for :meth:`receive`."""
         self.wait_built()
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"{self.name}: the env's process has ended (closed)")
             message = _message(method, args, kwargs)
+            while self._sent > 0:  # the replies before this call's: kept, in order
+                self._sent -= 1
+                try:
+                    value = self._receive()
+                except _ProcessEnded:
+                    raise
+                except Exception as exc:  # noqa: BLE001 (the receive() it belongs to raises it)
+                    self._early.append((False, exc, None))
+                else:
+                    self._early.append((True, value, self.cpu_share))
             try:
                 self._conn.send_bytes(message)
             except (BrokenPipeError, OSError):
@@ -796,18 +812,38 @@ class ProcessBoundEnv(_Bound):
         self.wait_built()
         if self._closed:
             raise RuntimeError(f"{self.name}: the env's process has ended (closed)")
-        try:
-            self._conn.send_bytes(_message(method, args, kwargs))
-        except (BrokenPipeError, OSError):
-            self._process.join(1.0)
-            raise RuntimeError(
-                f"{self.name}: the env's process ended (exit code {self._process.exitcode})"
-            ) from None
+        message = _message(method, args, kwargs)
+        with self._lock:
+            try:
+                self._conn.send_bytes(message)
+            except (BrokenPipeError, OSError):
+                self._process.join(1.0)
+                raise RuntimeError(
+                    f"{self.name}: the env's process ended (exit code "
+                    f"{self._process.exitcode})"
+                ) from None
+            self._sent += 1
 
     def receive(self) -> Any:
         """The result of the oldest :meth:`send` not yet received (blocks until it is in:
-        ``multiprocessing.connection.wait([env.connection])`` tells when it is)."""
-        return self._receive()
+        ``multiprocessing.connection.wait([env.connection])`` tells when it is, or
+        :attr:`received_early`, where a :meth:`call` read it first)."""
+        with self._lock:
+            if self._early:
+                ok, value, share = self._early.popleft()
+                if not ok:
+                    raise value
+                self.cpu_share = share
+                return value
+            self._sent -= 1
+            return self._receive()
+
+    @property
+    def received_early(self) -> bool:
+        """Whether the oldest :meth:`send`'s result was read off the pipe by a
+        :meth:`call` made meanwhile (:meth:`receive` returns it at once; the pipe no
+        longer says it is in)."""
+        return bool(self._early)
 
     @property
     def connection(self) -> Any:

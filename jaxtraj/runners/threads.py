@@ -118,6 +118,9 @@ class AsyncRunner:
         env's own, and every call to the env runs in that thread across :meth:`run` calls
         (:class:`~jaxtraj.runners.bound.ThreadBoundEnv`): what a simulator that binds
         rendering to a thread needs (a MuJoCo camera renders black from another thread).
+        During a run that thread runs the rank's worker loop (a chunk's step is a direct
+        call); a call to the env from another thread meanwhile (``runner.envs[r].render()``
+        in an ``on_flush``) is served there between chunks.
         A factory that raises, or returns something that is not an env, is a
         :class:`RunnerError` naming the rank; the ranks built before it are closed.
         :attr:`envs` holds them, one per rank, those built from factories wrapped
@@ -969,7 +972,11 @@ class AsyncRunner:
                 if due is not None:
                     timeout = min(timeout, due)
                 behind = backlog()
-                got = wait(0.0 if behind else timeout)
+                # results an env call from an on_flush read off a pipe first: in already
+                early = [i for i, env in enumerate(self.envs) if env.received_early]
+                got = wait(0.0 if behind or early else timeout)
+                if early:
+                    got = early + [i for i in got if i not in early]
                 for i in got:
                     key = ctx["key"] = stepping[i]
                     stepping[i] = None
