@@ -750,7 +750,12 @@ class RayRunner:
         return chunk_keys(self.plan, env_rank, self.step_id, self.num_steps, self.stage_id)
 
     def actors(self) -> list[Any]:
-        """The env actors' handles (started on first use), in ``env_ranks`` order."""
+        """The env actors' handles (started on first use), in ``env_ranks`` order.
+
+        With the direct transport an actor serves its connection from the first
+        :meth:`run` until :meth:`close`, and runs one call at a time: a call made to it
+        meanwhile (between runs, from an ``on_flush``) waits for :meth:`close`. Call the
+        actors before the first run, or use ``transport="ray"`` (idle between calls)."""
         self._start()
         return [w.actor for w in self._ranks]
 
