@@ -1033,3 +1033,110 @@ def test_env_methods_called_during_a_run_are_served_between_its_chunks():
             assert_same(got[k], ref[k])
         for env in runner.envs:
             env.close()
+
+
+class _Closing(PointEnv):
+    """A PointEnv that counts the chunks stepped after it was closed, and can be kept
+    busy in its thread (``hold``)."""
+
+    def __init__(self, rank, busy=None, delay_s=0.0):
+        super().__init__(rank)
+        self.busy, self.delay_s, self.closed, self.after_close = busy, delay_s, False, 0
+
+    def hold(self, seconds):
+        self.busy.set()
+        time.sleep(seconds)
+
+    def chunks_seen(self):
+        return threading.current_thread().name, len(self.final_log)
+
+    def step(self, key, actions):
+        self.after_close += self.closed
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        return super().step(key, actions)
+
+    def close(self):
+        self.closed = True
+
+
+def _run_aside(runner, num_steps):
+    """runner.run(num_steps) in a thread: (the thread, {"out" or "exc": ...})."""
+    box = {}
+
+    def go():
+        try:
+            box["out"] = runner.run(num_steps=num_steps)
+        except BaseException as exc:  # noqa: BLE001
+            box["exc"] = exc
+
+    thread = threading.Thread(target=go, daemon=True)
+    thread.start()
+    return thread, box
+
+
+def test_env_calls_and_closes_from_other_threads_during_a_run_never_hang_it():
+    """Around a run whose ranks' loops run in their envs' threads: a call made while the
+    env's thread is busy as the run starts is served by the run, not queued behind it;
+    an env closed mid-run (from an on_flush, or another thread) stops the run at once,
+    naming the rank; an env closed as a run starts (close() queued behind a call in its
+    thread) fails the run naming it, and no run hangs."""
+    busy = threading.Event()
+    runner, seen = None, []
+
+    def on_flush(_, tr):
+        seen.append([env.chunks_seen() for env in runner.envs])
+
+    runner = AsyncRunner(make_collector(), [lambda r=r: _Closing(r, busy) for r in range(RANKS)],
+                         policy_fn, PARAMS, seed=SEED, on_flush=on_flush, queue_size=1,
+                         batch_wait_s=0.0)
+    threading.Thread(target=runner.envs[1].hold, args=(2.0,), daemon=True).start()
+    busy.wait(10)  # env 1's thread busy as the run starts: its job queued behind the call
+    thread, box = _run_aside(runner, 3)
+    thread.join(30)
+    assert not thread.is_alive(), "run() hung: on_flush's call queued behind env 1's job"
+    assert "exc" not in box and len(seen) == 3 * RANKS
+
+    def closing(_, tr):
+        if runner.envs[1].alive():
+            runner.envs[1].close()
+
+    runner.on_flush = closing
+    thread, box = _run_aside(runner, 3)
+    thread.join(30)
+    assert not thread.is_alive(), "run() hung: close() from on_flush"
+    assert isinstance(box.get("exc"), RunnerError) and box["exc"].worker == "env_worker_1"
+    assert runner.envs[1]._env.after_close == 0
+    runner.envs[0].close()
+
+    started = threading.Event()
+
+    class Stepping(_Closing):
+        def step(self, key, actions):
+            started.set()
+            return super().step(key, actions)
+
+    runner = AsyncRunner(make_collector(),
+                         [lambda r=r: Stepping(r, delay_s=0.01) for r in range(RANKS)],
+                         policy_fn, PARAMS, seed=SEED)
+    thread, box = _run_aside(runner, 3)
+    started.wait(30)
+    runner.envs[1].close()  # from this thread, mid-run
+    thread.join(30)
+    assert not thread.is_alive()
+    assert isinstance(box.get("exc"), RunnerError) and box["exc"].worker == "env_worker_1"
+    assert runner.envs[1]._env.after_close <= 1  # the chunk in flight, at most
+    runner.envs[0].close()
+
+    busy.clear()
+    runner = AsyncRunner(make_collector(), [lambda r=r: _Closing(r, busy) for r in range(RANKS)],
+                         policy_fn, PARAMS, seed=SEED)
+    threading.Thread(target=runner.envs[1].hold, args=(1.0,), daemon=True).start()
+    busy.wait(10)
+    threading.Thread(target=runner.envs[1].close, daemon=True).start()  # behind the hold
+    time.sleep(0.2)
+    thread, box = _run_aside(runner, 1)
+    thread.join(30)
+    assert not thread.is_alive(), "run() hung: env 1's job queued behind its close"
+    assert isinstance(box.get("exc"), RunnerError) and box["exc"].worker == "env_worker_1"
+    runner.envs[0].close()

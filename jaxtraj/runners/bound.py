@@ -104,6 +104,7 @@ class ThreadBoundEnv(_Bound):
         # inbox, which it serves between its own steps (see job()).
         self._inbox: Any = None
         self._lock = threading.Lock()
+        self._closed = False  # set (under _lock) before close() queues _STOP
         ready: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(
             target=self._serve, args=(factory, ready), name=f"jaxtraj-{name}", daemon=True
@@ -157,11 +158,14 @@ class ThreadBoundEnv(_Bound):
         running job, which serves it between its steps, or to the thread itself)."""
         if threading.current_thread() is self._thread:
             return getattr(self._env, method)(*args, **kwargs)
-        if not self._thread.is_alive():
-            raise RuntimeError(f"{self.name}: the env's thread has ended (closed)")
+        return self._hand_over(method, args, kwargs)
+
+    def _hand_over(self, method: str, args: tuple, kwargs: dict, closing: bool = False) -> Any:
         reply: queue.SimpleQueue = queue.SimpleQueue()
         item = EnvCall(getattr(self._env, method), args, kwargs, reply)
-        with self._lock:
+        with self._lock:  # nothing is queued behind _STOP: close() sets _closed first
+            if (self._closed and not closing) or not self._thread.is_alive():
+                raise RuntimeError(f"{self.name}: the env's thread has ended (closed)")
             (self._calls if self._inbox is None else self._inbox).put(item)
         ok, value, share = reply.get()
         if not ok:
@@ -190,7 +194,7 @@ class ThreadBoundEnv(_Bound):
 
     def alive(self) -> bool:
         """Whether the env's thread still serves calls (not closed)."""
-        return self._thread.is_alive()
+        return not self._closed and self._thread.is_alive()
 
     def check_against(self, example: Any) -> None:
         check = getattr(self._env, "check_against", None)
@@ -198,13 +202,20 @@ class ThreadBoundEnv(_Bound):
             self.call("check_against", example)
 
     def close(self) -> None:
-        """Close the env (in its thread) and end the thread."""
+        """Close the env (in its thread) and end the thread. During a run, the rank's loop
+        serves the close between chunks and then fails the run, naming the rank."""
+        with self._lock:
+            first, self._closed = not self._closed, True
         try:
-            if self._thread.is_alive() and callable(getattr(self._env, "close", None)):
-                self.call("close")
+            if first and self._thread.is_alive() and callable(getattr(self._env, "close", None)):
+                if threading.current_thread() is self._thread:
+                    self._env.close()
+                else:
+                    self._hand_over("close", (), {}, closing=True)
         finally:
             self._calls.put(_STOP)
-            self._thread.join()
+            if threading.current_thread() is not self._thread:
+                self._thread.join()
 
     def sub_env_seeds(self) -> list[int] | None:
         """The seeds the env gives its sub-environments (its attributes, read here)."""
@@ -242,8 +253,6 @@ class _Job:
 
     def _run(self) -> None:
         env = self.env
-        with env._lock:
-            env._inbox = self.inbox
         try:
             self.fn(*self.args)
         except BaseException as exc:  # noqa: BLE001 (kept; the runner's fn guards its own)
@@ -261,10 +270,23 @@ class _Job:
             self._done.set()
 
     def start(self) -> None:
-        if not self.env.alive():
-            raise RuntimeError(f"{self.env.name}: the env's thread has ended (closed)")
+        env = self.env
         self._started = True
-        self.env._calls.put((self._run, (), {}, _DISCARD))
+        with env._lock:  # from now on calls from other threads go to the job's inbox
+            if not env._closed and env._thread.is_alive():
+                env._inbox = self.inbox
+                env._calls.put((self._run, (), {}, _DISCARD))  # ahead of any _STOP
+                return
+        # Closed meanwhile: fn runs in a thread of its own, where the env's calls fail.
+        threading.Thread(target=self._plain, name=self.name, daemon=True).start()
+
+    def _plain(self) -> None:
+        try:
+            self.fn(*self.args)
+        except BaseException as exc:  # noqa: BLE001
+            self.error = exc
+        finally:
+            self._done.set()
 
     def join(self, timeout: float | None = None) -> None:
         if self._started:

@@ -2,9 +2,12 @@
 
 Threads and queues::
 
-    env worker r (one per env rank) --requests (at most two each)--> policy worker
+    env worker r (one per env rank; an env built from a factory: its env's own thread)
+      --requests (at most two each)--> policy worker
     policy worker: one policy_fn call for every rank whose request is ready
     policy worker --actions (one reply queue per env rank, one reply at most)--> env worker r
+      (which also carries the calls other threads make to a factory-built env during the
+      run: served by its worker between chunks)
     env workers, policy worker --parts (bounded)--> consumer --> TrajectoryCollector
       (the policy worker puts the halves of one round, its policy halves and the env
       halves it completed, as one item: one hand-off a round, not one a half)
@@ -577,6 +580,7 @@ class AsyncRunner:
             if type(item) is not EnvCall:
                 return item
             ThreadBoundEnv.serve(item)
+            self._still_open(i)
 
     def _serve_calls(self, i: int) -> None:
         """Serve the calls to env ``i`` handed to its worker while it waits on something
@@ -588,8 +592,16 @@ class AsyncRunner:
                 return
             if type(item) is EnvCall:
                 ThreadBoundEnv.serve(item)
+                self._still_open(i)
             else:
                 self._held_replies[i].append(item)
+
+    def _still_open(self, i: int) -> None:
+        """A call served between chunks closed the env (``close()`` from another thread):
+        the rank stops here, as its next step through the closed env would."""
+        env = self.envs[i]
+        if isinstance(env, ThreadBoundEnv) and not env.alive():
+            raise RuntimeError(f"{env.name}: the env's thread has ended (closed)")
 
     def _arrive(self) -> float | None:
         """``env_workers="process"``: insert the held parts now due (jitter_s), in due
