@@ -1021,3 +1021,54 @@ def test_direct_transport_pickles_every_reply_after_a_template_the_learner_reads
     assert sorted(got) == sorted(reference)
     for k in reference:
         assert_same(got[k], reference[k])
+
+
+class CountingEnv(PointEnv):
+    """A PointEnv that counts its steps, for call_env to read."""
+
+    steps = 0
+
+    def step(self, key, actions):
+        self.steps += 1
+        return super().step(key, actions)
+
+    def seen(self, tag):
+        return tag, self.rank, self.steps
+
+
+@pytest.mark.parametrize("transport", ["ray", "direct"])
+def test_call_env_reaches_each_ranks_env_from_on_flush_and_between_runs(
+    ray_instance, reference, transport
+):
+    """call_env runs an env's method in its actor: before the first run, from an on_flush
+    mid-run (with the direct transport, the answers in flight on the rank's connection
+    read first and kept for the run; a rank still connecting waited for), and between
+    runs, where a Ray call to an actor serving its connection would wait for close();
+    the trajectories are unchanged; a rank it does not have is named, an error raised
+    in the env is raised here."""
+    runner, seen, got = None, [], {}
+
+    def on_flush(_, tr):
+        got[(int(tr.step_id), int(tr.env_rank))] = tr
+        seen.append([runner.call_env(r, "seen", "flush") for r in range(RANKS)])
+
+    runner = ray_runner(make_collector(), CountingEnv, on_flush=on_flush, transport=transport,
+                        num_steps=1)
+    with runner:
+        assert runner.call_env(1, "seen", "before") == ("before", 1, 0)
+        for _ in range(STEPS):
+            runner.run()
+        between = [runner.call_env(r, "seen", tag="between") for r in range(RANKS)]
+        with pytest.raises(ValueError, match="env rank 7 is not one of"):
+            runner.call_env(7, "seen", "x")
+        with pytest.raises(AttributeError):
+            runner.call_env(0, "no_such_method")
+        assert runner.call_env(1, "seen", "after an error") == ("after an error", 1, STEPS * E * T)
+        assert runner.transports == {r: transport for r in range(RANKS)}
+    assert sorted(got) == sorted(reference)
+    for k in reference:
+        assert_same(got[k], reference[k])
+    assert len(seen) == STEPS * RANKS
+    assert all([c[1] for c in calls] == list(range(RANKS)) for calls in seen)
+    assert any(c[2] < STEPS * E * T for calls in seen for c in calls)  # some mid-run
+    assert between == [("between", r, STEPS * E * T) for r in range(RANKS)]

@@ -212,6 +212,10 @@ class EnvWorker:
     def pid(self) -> int:
         return os.getpid()
 
+    def env_call(self, method: str, args: tuple, kwargs: dict) -> Any:
+        """``env.<method>(*args, **kwargs)`` here (:meth:`RayRunner.call_env`)."""
+        return getattr(self.env, method)(*args, **kwargs)
+
     def reset(self) -> PyTree:
         """Reset every environment; the first observation."""
         self.obs, self.prev = self.env.reset(), None
@@ -331,7 +335,8 @@ class EnvWorker:
             conn.close()
 
 
-_SERVED = ("reset", "step", "restore")  # what the learner asks over a direct connection
+_SERVED = ("reset", "step", "restore", "env_call")  # what the learner asks over a direct
+# connection
 
 
 def _mac(key: bytes, who: bytes, nonce: bytes) -> bytes:
@@ -504,6 +509,9 @@ class _Rank:
     loop: Any = None  # transport="direct": the ref of the actor's serve call
     # transport="direct": how to read its connection's steps sent as bytes, by template
     readers: _StepReaders = field(default_factory=_StepReaders)
+    # transport="direct": answers to its requests that call_env read off the connection
+    # ahead of its own (in order; the loop takes them before the connection's)
+    early: deque = field(default_factory=deque)
 
     @property
     def name(self) -> str:
@@ -753,11 +761,63 @@ class RayRunner:
         """The env actors' handles (started on first use), in ``env_ranks`` order.
 
         With the direct transport an actor serves its connection from the first
-        :meth:`run` until :meth:`close`, and runs one call at a time: a call made to it
-        meanwhile (between runs, from an ``on_flush``) waits for :meth:`close`. Call the
-        actors before the first run, or use ``transport="ray"`` (idle between calls)."""
+        :meth:`run` until :meth:`close`, and runs one call at a time: a call of your own
+        made to it meanwhile (between runs, from an ``on_flush``) waits for
+        :meth:`close`. Reach its env with :meth:`call_env`."""
         self._start()
         return [w.actor for w in self._ranks]
+
+    def call_env(self, env_rank: int, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``env.<method>(*args, **kwargs)`` on env rank ``env_rank``'s env, in its actor
+        (in the thread that built it): its result, or what it raised, raised here.
+
+        Call it from the thread that calls :meth:`run` (an ``on_flush``: served between
+        the rank's chunks) or between runs. With the direct transport it goes on the
+        rank's connection, which its actor serves from the first run until
+        :meth:`close` (a Ray call of your own to the actor meanwhile would wait for
+        :meth:`close`); a rank still connecting is waited for; else it is a Ray call.
+
+        Raises:
+          ValueError: no such env rank here.
+          RuntimeError: the rank's actor is being restarted (call again later), or its
+            connection broke (the run restarts it).
+        """
+        try:
+            w = self._ranks[self.env_ranks.index(int(env_rank))]
+        except ValueError:
+            raise ValueError(
+                f"env rank {env_rank} is not one of this runner's: {self.env_ranks}"
+            ) from None
+        self._start()
+        if w.direct and w.conn is None and w.pending and w.pending[0][0] != "connect":
+            raise RuntimeError(  # waiting for a ping, or for Ray's word on a lost one
+                f"{w.name}'s actor is being restarted: call_env again once it is back"
+            )
+        deadline = time.monotonic() + _DIAL_S
+        while w.direct and w.conn is None and w.pending:  # connecting: its serve call
+            # holds the actor; its connection may be in (the run's loop takes it so)
+            self._accept()
+            if w.conn is not None:
+                break
+            done, _ = ray.wait([w.pending[0][1]], timeout=_CONNECT_POLL_S)
+            if done:  # its serve call ended (it could not connect): the actor is free
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{w.name}'s actor did not connect within {_DIAL_S:.0f} s")
+        if not (w.direct and w.conn is not None):  # not serving a connection: a Ray call
+            return ray.get(w.actor.env_call.remote(method, args, kwargs))
+        try:
+            # The answers to the requests in flight come first: read, kept for the run.
+            for _ in range(sum(p[1] is _DIRECT for p in w.pending) - len(w.early)):
+                w.early.append(w.conn.recv_bytes())
+            w.conn.send_bytes(_dumps(("env_call", (method, args, kwargs))))
+            data = w.conn.recv_bytes()
+        except (EOFError, OSError) as exc:  # the run's loop restarts the rank
+            raise RuntimeError(f"{w.name}'s connection to its actor broke: {exc!r}") from exc
+        ok, value = pickle.loads(data)
+        if not ok:
+            raise value
+        return value
 
     @property
     def transports(self) -> dict[int, str]:
@@ -849,6 +909,9 @@ class RayRunner:
                     wait_s = max(0.0, min(wait_s, self._ready_at + self._wait() - now))
                 if any(w.pending and w.pending[0][0] == "connect" for w in self._ranks):
                     wait_s = min(wait_s, _CONNECT_POLL_S)  # an actor connecting: look again soon
+                for w in [w for w in direct.values() if w.early]:  # read by call_env
+                    self._receive_direct(w)
+                    wait_s = 0.0
                 if direct:
                     # Answers on the direct connections; Ray's refs (a rank starting or
                     # restarting) looked at in between.
@@ -1192,6 +1255,7 @@ class RayRunner:
             w.conn.close()
             w.conn = None
         w.pending.clear()  # later requests went to the dead process: redo them too
+        w.early.clear()
         w.sent = w.n
         w.pending.append(("ping", w.actor.pid.remote(), None))
 
@@ -1346,9 +1410,10 @@ class RayRunner:
                 self._call(w, "reset", ())
 
     def _receive_direct(self, w: _Rank) -> None:
-        """The answer to rank ``w``'s oldest request, from its connection."""
+        """The answer to rank ``w``'s oldest request, from its connection (or read off
+        it already by :meth:`call_env`)."""
         try:
-            data = w.conn.recv_bytes()
+            data = w.early.popleft() if w.early else w.conn.recv_bytes()
         except (EOFError, OSError) as exc:  # the actor's process is gone
             self._lost(w, exc)
             return
@@ -1389,6 +1454,7 @@ class RayRunner:
         w.conn.close()
         w.conn = None
         w.pending.clear()
+        w.early.clear()
         broke = ConnectionError(f"{w.name}'s connection to its actor broke: {exc!r}")
         if w.loop is None:
             self._restart(w, broke)
