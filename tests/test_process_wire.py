@@ -323,3 +323,91 @@ def test_an_env_process_keeps_a_policy_it_inherited():
     if isinstance(seen[0], BaseException):
         raise seen[0]
     assert seen[0] == ((os.SCHED_IDLE, os.SCHED_IDLE), os.SCHED_IDLE)
+
+
+def _outcome(fn):
+    try:
+        return fn()
+    except BaseException as exc:  # noqa: BLE001
+        return exc
+
+
+class ExitsAt(WireEnv):
+    def step(self, key, actions):
+        if key.chunk_id == 3:
+            raise SystemExit("the simulator called sys.exit")
+        return super().step(key, actions)
+
+
+def test_replies_in_flight_stay_with_their_sends_whoever_reads_them():
+    """Replies in flight go to their own sends whoever reads the pipe: close() with a
+    failing step in flight does not raise the step's error; a template this side cannot
+    read, read off by a call, still switches the wire to pickles; another thread's calls
+    beside a loop that sends, polls and receives; a step that raised SystemExit, read off
+    by another thread's call, is raised by its receive() (not lost, no hang)."""
+    key = lambda c: TrajectoryKey(0, 0, 0, 0, c)  # noqa: E731
+    ones, twos = np.ones((3, 4, 2), np.float32), np.full((3, 4, 2), 2, np.float32)
+    env = ProcessBoundEnv(FailsAt, "env_worker_0")
+    env.send("step", key(3), ones)  # fails in the env's process
+    env.close()  # the env's own close() did not fail: nothing raised
+
+    env = ProcessBoundEnv(ChildNodeEnv, "env_worker_0")
+    try:
+        for c in range(3):
+            env.send("step", key(c), np.full((3, 4, 2), c, np.float32))
+            got = env.call("step", key(8 + c), np.full((3, 4, 2), 8 + c, np.float32))
+            want = WireEnv().step(key(8 + c), np.full((3, 4, 2), 8 + c, np.float32))
+            assert np.array_equal(got.obs["point"].x, want.obs["state"])
+            assert env.received_early
+            want = WireEnv().step(key(c), np.full((3, 4, 2), c, np.float32))
+            assert np.array_equal(env.receive().obs["point"].x, want.obs["state"])
+    finally:
+        env.close()
+
+    env, here = ProcessBoundEnv(FailsAt, "env_worker_0"), WireEnv()
+    errors, stop = [], threading.Event()
+
+    def caller():
+        j = 0
+        try:
+            while not stop.is_set():
+                c = 12 * (1 + j % 5) + (j % 12 if j % 12 != 3 else 4)
+                _check_same(env.call("step", key(c), twos), here.step(key(c), twos.copy()),
+                            ("call", c))
+                j += 1
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    thread = threading.Thread(target=caller)
+    thread.start()
+    try:
+        for c in range(60):
+            if c % 12 == 3:
+                continue
+            env.send("step", key(c), ones)
+            while not env.ready():
+                env.connection.poll(0.005)
+            _check_same(env.receive(), here.step(key(c), ones.copy()), ("loop", c))
+    finally:
+        stop.set()
+        thread.join()
+        env.close()
+    assert not errors, errors
+
+    env = ProcessBoundEnv(ExitsAt, "env_worker_0")
+    try:
+        env.send("step", key(3), ones)
+        called = []
+        thread = threading.Thread(target=lambda: called.append(
+            _outcome(lambda: env.call("step", key(1), ones))))
+        thread.start()
+        thread.join(30)
+        _check_same(called[0], here.step(key(1), ones.copy()), "the call")
+        got = []
+        thread = threading.Thread(target=lambda: got.append(_outcome(env.receive)), daemon=True)
+        thread.start()
+        thread.join(10)
+        assert not thread.is_alive(), "receive() hung: the step's outcome was lost"
+        assert isinstance(got[0], SystemExit)
+    finally:
+        env.close()

@@ -1133,10 +1133,60 @@ def test_env_calls_and_closes_from_other_threads_during_a_run_never_hang_it():
                          policy_fn, PARAMS, seed=SEED)
     threading.Thread(target=runner.envs[1].hold, args=(1.0,), daemon=True).start()
     busy.wait(10)
-    threading.Thread(target=runner.envs[1].close, daemon=True).start()  # behind the hold
+    closer = threading.Thread(target=runner.envs[1].close, daemon=True)  # behind the hold
+    closer.start()
     time.sleep(0.2)
     thread, box = _run_aside(runner, 1)
     thread.join(30)
     assert not thread.is_alive(), "run() hung: env 1's job queued behind its close"
     assert isinstance(box.get("exc"), RunnerError) and box["exc"].worker == "env_worker_1"
     runner.envs[0].close()
+    closer.join(30)  # env 1's thread ends once its hold is over
+    assert not closer.is_alive() and runner_threads() == []
+
+
+def test_process_envs_read_by_another_thread_and_failing_together_neither_hang_nor_hide():
+    """Env processes: a thread of the user's reading the envs while a (decoupled) run goes
+    on, and an on_flush reading them too, leave the trajectories as they are and hang
+    nothing (the reply to a call is not taken for a step's); both ranks failing at once
+    raise the run's RunnerError out of the with block, every process ended."""
+    ref, _, _ = run_steps(DecoupledRunner, 2, batch_wait_s=5.0)
+    envs = [functools.partial(PointEnv, r, critic=False, delay_s=0.004) for r in range(RANKS)]
+    runner = DecoupledRunner(make_collector(), envs, policy_fn, PARAMS, value_fn=value_fn,
+                             seed=SEED, num_steps=2, batch_wait_s=0.0, env_workers="process")
+    got, read, stop, errors = {}, [], threading.Event(), []
+
+    def on_flush(_, tr):
+        got[(int(tr.step_id), int(tr.env_rank))] = tr
+        read.append([env.rank for env in runner.envs])
+
+    def reader():
+        try:
+            while not stop.is_set():
+                assert [env.rank for env in runner.envs] == list(range(RANKS))
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    runner.on_flush = on_flush
+    thread = threading.Thread(target=reader, daemon=True)
+    with runner:
+        runner.envs[0].wait_built()
+        thread.start()
+        try:
+            runner.run()
+        finally:
+            stop.set()
+            thread.join()
+    assert not errors, errors
+    assert read and all(r == list(range(RANKS)) for r in read)
+    assert sorted(got) == sorted(ref)
+    for k in ref:
+        assert_same(got[k], ref[k])
+
+    envs = [functools.partial(PointEnv, r, fail_at=(0, 0, r, 0, 1)) for r in range(RANKS)]
+    runner = AsyncRunner(make_collector(), envs, policy_fn, PARAMS, seed=SEED,
+                         env_workers="process", batch_wait_s=5.0)
+    with pytest.raises(RunnerError, match="simulator crashed"):
+        with runner:
+            runner.run()
+    assert all(not env._process.is_alive() for env in runner.envs)

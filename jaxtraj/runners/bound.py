@@ -771,13 +771,18 @@ class ProcessBoundEnv(_Bound):
             ) from exc
 
     def _receive(self) -> Any:
+        return self._parse(self._read())
+
+    def _read(self) -> bytes:
         try:
-            data = self._conn.recv_bytes()
+            return self._conn.recv_bytes()
         except (EOFError, OSError):
             self._process.join(1.0)
             raise _ProcessEnded(
                 f"{self.name}: the env's process ended (exit code {self._process.exitcode})"
             ) from None
+
+    def _parse(self, data: bytes) -> Any:
         tag = data[:1]
         if tag == _RAW:
             try:
@@ -808,12 +813,11 @@ class ProcessBoundEnv(_Bound):
                 raise RuntimeError(f"{self.name}: the env's process has ended (closed)")
             message = _message(method, args, kwargs)
             while self._sent > 0:  # the replies before this call's: kept, in order
+                data = self._read()  # _ProcessEnded: raised here
                 self._sent -= 1
                 try:
-                    value = self._receive()
-                except _ProcessEnded:
-                    raise
-                except Exception as exc:  # noqa: BLE001 (the receive() it belongs to raises it)
+                    value = self._parse(data)
+                except BaseException as exc:  # noqa: BLE001 (the receive() it belongs to raises it)
                     self._early.append((False, exc, None))
                 else:
                     self._early.append((True, value, self.cpu_share))
@@ -848,8 +852,8 @@ class ProcessBoundEnv(_Bound):
 
     def receive(self) -> Any:
         """The result of the oldest :meth:`send` not yet received (blocks until it is in:
-        ``multiprocessing.connection.wait([env.connection])`` tells when it is, or
-        :attr:`received_early`, where a :meth:`call` read it first)."""
+        :meth:`ready` tells when it is: a readable :attr:`connection` may instead hold
+        the reply to another thread's :meth:`call`)."""
         with self._lock:
             if self._early:
                 ok, value, share = self._early.popleft()
@@ -857,8 +861,32 @@ class ProcessBoundEnv(_Bound):
                     raise value
                 self.cpu_share = share
                 return value
+            if self._closed:
+                raise RuntimeError(f"{self.name}: the env's process has ended (closed)")
+            if self._sent <= 0 and self._process.is_alive():  # else: _read says it ended
+                raise RuntimeError(f"{self.name}: receive() with no send() in flight")
+            data = self._read()
             self._sent -= 1
-            return self._receive()
+            return self._parse(data)
+
+    def ready(self) -> bool:
+        """Whether :meth:`receive` returns without waiting: a :meth:`send` is in flight
+        and its result is in (kept by a :meth:`call`, or on the pipe), or the process has
+        ended. A readable pipe alone does not say so: it may hold the reply to another
+        thread's call (which that call reads)."""
+        with self._lock:
+            if self._early or self._closed:
+                return True
+            if self._sent <= 0:
+                return False
+            try:
+                return self._conn.poll(0)
+            except OSError:  # closed: receive() says so
+                return True
+
+    def alive(self) -> bool:
+        """Whether the env's process still serves calls (not closed)."""
+        return not self._closed and self._process.is_alive()
 
     @property
     def received_early(self) -> bool:
@@ -869,7 +897,8 @@ class ProcessBoundEnv(_Bound):
 
     @property
     def connection(self) -> Any:
-        """The parent's end of the pipe (for ``multiprocessing.connection.wait``)."""
+        """The parent's end of the pipe (for ``multiprocessing.connection.wait``: readable
+        when a reply is in, a send's or another thread's call's; :meth:`ready` says which)."""
         return self._conn
 
     def check_against(self, example: Any) -> None:
@@ -886,11 +915,14 @@ class ProcessBoundEnv(_Bound):
 
     def close(self) -> None:
         """Close the env (in its process) and end the process."""
-        with self._lock:
+        with self._lock:  # no receive() or call() reads the pipe meanwhile
             if self._closed:
                 return
             self._closed = True
-        error = self._finalizer()
+            in_flight, self._sent = self._sent, 0
+            if self._finalizer.detach() is None:
+                return
+            error = _shutdown(self._conn, self._process, in_flight=in_flight)
         if error is not None:
             raise error
 
@@ -903,7 +935,8 @@ class ProcessBoundEnv(_Bound):
         return value
 
 
-def _shutdown(conn: Any, process: Any, timeout_s: float = 5.0) -> BaseException | None:
+def _shutdown(conn: Any, process: Any, timeout_s: float = 5.0, in_flight: int = 0
+              ) -> BaseException | None:
     """Ask the env's process to close its env and exit; end it if it does not. Returns
     what the env's ``close()`` raised, if anything."""
     try:
@@ -911,6 +944,9 @@ def _shutdown(conn: Any, process: Any, timeout_s: float = 5.0) -> BaseException 
             conn.send_bytes(_dumps((None, (), {})))
             while conn.poll(timeout_s):  # a step still in flight answers first
                 data = conn.recv_bytes()
+                if in_flight > 0:  # a send's reply, whatever it holds
+                    in_flight -= 1
+                    continue
                 if data[:1] in (_RAW, _TEMPLATE):  # a step's result, not the answer
                     continue
                 ok, value, _ = pickle.loads(data)

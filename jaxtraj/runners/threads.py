@@ -990,6 +990,13 @@ class AsyncRunner:
                 if early:
                     got = early + [i for i in got if i not in early]
                 for i in got:
+                    env = self.envs[i]
+                    # readable with nothing of the runner's to read: the reply to another
+                    # thread's call (read by that call), unless the process has ended
+                    if stepping[i] is None and env.alive():
+                        continue
+                    if stepping[i] is not None and not env.ready():
+                        continue
                     key = ctx["key"] = stepping[i]
                     stepping[i] = None
                     expect.back(i, time.monotonic())
@@ -1067,7 +1074,7 @@ class AsyncRunner:
 class _Readable:
     """The env processes' pipes to wait on, registered once (``select.poll``:
     ``multiprocessing.connection.wait`` builds a selector per call, a cost on every turn
-    of the process loop); ``wait(timeout_s)`` returns the indices of those with a result
+    of the process loop); ``wait(timeout_s)`` returns the indices of those with a reply
     (or an end) to read."""
 
     def __init__(self, connections: Sequence[Any]):
