@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import os
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -409,5 +410,38 @@ def test_replies_in_flight_stay_with_their_sends_whoever_reads_them():
         thread.join(10)
         assert not thread.is_alive(), "receive() hung: the step's outcome was lost"
         assert isinstance(got[0], SystemExit)
+    finally:
+        env.close()
+
+
+class PacedEnv(WireEnv):
+    """Chunk 20's step waits (about none of it on CPU), chunk 21's computes (about all)."""
+
+    def step(self, key, actions):
+        if key.chunk_id == 20:
+            time.sleep(0.2)
+        if key.chunk_id == 21:
+            end = time.perf_counter() + 0.2
+            while time.perf_counter() < end:
+                pass
+        return super().step(key, actions)
+
+
+def test_a_steps_cpu_share_is_its_own_whatever_calls_follow():
+    """step_share (what the runner's batch_wait_s="auto" reads) is the share of the step
+    receive() returned, not of a call another thread made since (cpu_share: the last
+    call's), also where the step's result was read off by that call."""
+    env = ProcessBoundEnv(PacedEnv, "env_worker_0")
+    ones = np.ones((3, 4, 2), np.float32)
+    try:
+        env.send("step", TrajectoryKey(0, 0, 0, 0, 20), ones)
+        env.receive()
+        assert env.step_share is not None and env.step_share < 0.5
+        env.call("step", TrajectoryKey(0, 0, 0, 0, 21), ones)  # another thread's, say
+        assert env.cpu_share > 0.5 and env.step_share < 0.5
+        env.send("step", TrajectoryKey(0, 0, 0, 0, 20), ones)
+        env.call("step", TrajectoryKey(0, 0, 0, 0, 21), ones)  # reads the step off first
+        env.receive()
+        assert env.step_share < 0.5
     finally:
         env.close()

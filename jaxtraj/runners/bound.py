@@ -859,7 +859,7 @@ class ProcessBoundEnv(_Bound):
                 ok, value, share = self._early.popleft()
                 if not ok:
                     raise value
-                self.cpu_share = share
+                self.cpu_share = self.step_share = share
                 return value
             if self._closed:
                 raise RuntimeError(f"{self.name}: the env's process has ended (closed)")
@@ -867,7 +867,13 @@ class ProcessBoundEnv(_Bound):
                 raise RuntimeError(f"{self.name}: receive() with no send() in flight")
             data = self._read()
             self._sent -= 1
-            return self._parse(data)
+            value = self._parse(data)
+            self.step_share = self.cpu_share
+            return value
+
+    #: :attr:`cpu_share` of the result :meth:`receive` returned last: a call made by
+    #: another thread since does not change it.
+    step_share: float | None = None
 
     def ready(self) -> bool:
         """Whether :meth:`receive` returns without waiting: a :meth:`send` is in flight

@@ -1004,7 +1004,7 @@ class AsyncRunner:
                         out = self.envs[i].receive()
                     except Exception as exc:  # key None: its process ended with no step to run
                         raise RunnerError(names[i], key and key.as_tuple(), exc) from exc
-                    expect.cpu(i, self.envs[i].cpu_share)
+                    expect.cpu(i, self.envs[i].step_share)  # not a call's meanwhile
                     if held[i] is not None:  # the next chunk's actions: its step starts at once
                         (k, actions), held[i] = held[i], None
                         self._send_step(i, k, actions, out.obs)
