@@ -182,8 +182,8 @@ class ThreadBoundEnv(_Bound):
         """``fn(*args)`` to run in the env's thread, not waiting for it: a runner's env
         worker loop, whose steps are then direct calls where the env was built (no
         hand-off a chunk). The job reads as a thread: ``start()``, ``join(timeout)``,
-        ``is_alive()``, ``name``. ``fn`` handles its own errors (one raised is kept
-        as :attr:`_Job.error`).
+        ``is_alive()``, ``name``. ``fn`` handles its own errors (the runners' guard
+        records them).
 
         While it runs, a call from another thread (``env.render()`` from an ``on_flush``)
         is put on ``inbox`` (a queue ``fn`` reads anyway, e.g. for its actions) as an
@@ -247,7 +247,6 @@ class _Job:
     def __init__(self, env: ThreadBoundEnv, fn: Callable[..., Any], args: tuple, name: str,
                  inbox: Any):
         self.env, self.fn, self.args, self.name, self.inbox = env, fn, args, name, inbox
-        self.error: BaseException | None = None
         self._done = threading.Event()
         self._started = False
 
@@ -255,8 +254,6 @@ class _Job:
         env = self.env
         try:
             self.fn(*self.args)
-        except BaseException as exc:  # noqa: BLE001 (kept; the runner's fn guards its own)
-            self.error = exc
         finally:
             with env._lock:
                 env._inbox = None  # calls from now on go to the env's thread itself
@@ -283,8 +280,6 @@ class _Job:
     def _plain(self) -> None:
         try:
             self.fn(*self.args)
-        except BaseException as exc:  # noqa: BLE001
-            self.error = exc
         finally:
             self._done.set()
 
@@ -821,15 +816,18 @@ class ProcessBoundEnv(_Bound):
                     self._early.append((False, exc, None))
                 else:
                     self._early.append((True, value, self.cpu_share))
-            try:
-                self._conn.send_bytes(message)
-            except (BrokenPipeError, OSError):
-                self._process.join(1.0)
-                raise RuntimeError(
-                    f"{self.name}: the env's process ended (exit code "
-                    f"{self._process.exitcode})"
-                ) from None
+            self._send_locked(message)
             return self._receive()
+
+    def _send_locked(self, message: bytes) -> None:
+        """Send ``message`` down the pipe (the caller holds ``_lock``)."""
+        try:
+            self._conn.send_bytes(message)
+        except (BrokenPipeError, OSError):
+            self._process.join(1.0)
+            raise RuntimeError(
+                f"{self.name}: the env's process ended (exit code {self._process.exitcode})"
+            ) from None
 
     def send(self, method: str, *args: Any, **kwargs: Any) -> None:
         """Start ``env.<method>(*args, **kwargs)`` in the env's process and return at once;
@@ -840,14 +838,7 @@ class ProcessBoundEnv(_Bound):
             raise RuntimeError(f"{self.name}: the env's process has ended (closed)")
         message = _message(method, args, kwargs)
         with self._lock:
-            try:
-                self._conn.send_bytes(message)
-            except (BrokenPipeError, OSError):
-                self._process.join(1.0)
-                raise RuntimeError(
-                    f"{self.name}: the env's process ended (exit code "
-                    f"{self._process.exitcode})"
-                ) from None
+            self._send_locked(message)
             self._sent += 1
 
     def receive(self) -> Any:

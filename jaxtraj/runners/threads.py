@@ -579,8 +579,7 @@ class AsyncRunner:
             item = self._get(self._replies[i])
             if type(item) is not EnvCall:
                 return item
-            ThreadBoundEnv.serve(item)
-            self._still_open(i)
+            self._serve_call(i, item)
 
     def _serve_calls(self, i: int) -> None:
         """Serve the calls to env ``i`` handed to its worker while it waits on something
@@ -591,14 +590,15 @@ class AsyncRunner:
             except queue.Empty:
                 return
             if type(item) is EnvCall:
-                ThreadBoundEnv.serve(item)
-                self._still_open(i)
+                self._serve_call(i, item)
             else:
                 self._held_replies[i].append(item)
 
-    def _still_open(self, i: int) -> None:
-        """A call served between chunks closed the env (``close()`` from another thread):
-        the rank stops here, as its next step through the closed env would."""
+    def _serve_call(self, i: int, item: EnvCall) -> None:
+        """Serve a call handed to env ``i``'s worker; if it closed the env (``close()``
+        from another thread), the rank stops here, as its next step through the closed
+        env would."""
+        ThreadBoundEnv.serve(item)
         env = self.envs[i]
         if isinstance(env, ThreadBoundEnv) and not env.alive():
             raise RuntimeError(f"{env.name}: the env's thread has ended (closed)")
