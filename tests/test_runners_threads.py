@@ -101,7 +101,7 @@ def policy_fn(params, obs, rng, delay_s=0.0):
     )
 
 
-def make_collector(**plan_kw):
+def make_collector(auto_flush=True, **plan_kw):
     plan = TrajectoryPlan(num_chunks=T, num_epochs=E, batch_size=B, num_env_ranks=RANKS, **plan_kw)
     key = TrajectoryKey(0, 0, 0, 0, 0)
     env = PointEnv(0)
@@ -116,7 +116,7 @@ def make_collector(**plan_kw):
         initial_transition=st.transition.boundary(),
         final_values=st.final_values,
     )
-    return jaxtraj.TrajectoryCollector(plan, p, e)
+    return jaxtraj.TrajectoryCollector(plan, p, e, auto_flush=auto_flush)
 
 
 def sync_reference(num_steps, ranks_per_call=RANKS):
@@ -783,7 +783,7 @@ def test_env_factories_run_in_a_thread_of_their_own_and_bad_ones_name_the_rank()
         assert stepped_in[r] == {built_in[r]} == {f"jaxtraj-env_worker_{r}"}
         assert workers[r] == {1}
     runner.envs[0].close()  # closed under the runner: the next run names the rank, no hang
-    with pytest.raises(RunnerError, match="thread has ended") as info:
+    with pytest.raises(RunnerError, match="env rank 0.s env was closed") as info:
         runner.run()
     assert info.value.worker == "env_worker_0"
     for env in runner.envs[1:]:

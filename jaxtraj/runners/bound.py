@@ -44,8 +44,9 @@ _STOP = object()
 
 
 def is_factory(env: Any) -> bool:
-    """A callable that is not itself an environment (no ``step``): an env factory."""
-    return callable(env) and not callable(getattr(env, "step", None))
+    """A callable that is not itself an environment (no ``step``), or an env class (its
+    ``step`` unbound): an env factory."""
+    return callable(env) and (isinstance(env, type) or not callable(getattr(env, "step", None)))
 
 
 class _Bound:

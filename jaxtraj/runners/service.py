@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import queue
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -56,18 +57,30 @@ class RunnerError(RuntimeError):
 
     Attributes:
       worker: the failing worker's name (``"env_worker_2"``, ``"policy_worker"``,
-        ``"consumer"``).
+        ``"consumer"``, ``"on_flush"``, ``"output_queue"``).
       key: the ``(step_id, epoch_id, env_rank, stage_id, chunk_id)`` it was working on,
         or ``None``.
       cause: the original exception (also ``__cause__``).
       delivered: how many flushed items were delivered before the failure.
+      what: what it failed on where that is not a chunk (a flushed item: ``"queue
+        'default', step 3, env rank 1"``), or ``None``.
+      undelivered: the ``(queue_key, item)`` pairs the collector flushed that were not
+        delivered (``on_flush`` raised, or the run stopped while ``output_queue`` was
+        full), in flush order: out of the collector, so only here.
     """
 
-    def __init__(self, worker: str, key: tuple | None, cause: BaseException, delivered: int = 0):
+    def __init__(self, worker: str, key: tuple | None, cause: BaseException, delivered: int = 0,
+                 undelivered: Sequence[tuple[str, Any]] = (), what: str | None = None):
         self.worker, self.key, self.cause, self.delivered = worker, key, cause, delivered
+        self.undelivered, self.what = list(undelivered), what
         # A terminal's colour codes (Ray's errors carry them) are not part of the message.
         said = _COLOUR.sub("", str(cause))
-        super().__init__(f"{worker} failed at key {key}: {type(cause).__name__}: {said}")
+        where = f"on {what}" if what is not None else f"at key {key}"
+        msg = f"{worker} failed {where}: {type(cause).__name__}: {said}"
+        if self.undelivered:
+            msg += (f" ({len(self.undelivered)} flushed item(s) not delivered: on this "
+                    "error's `undelivered`)")
+        super().__init__(msg)
 
 
 _COLOUR = re.compile(r"\x1b\[[0-9;]*m")
@@ -260,8 +273,7 @@ def env_part(
       next_obs: an explicit boundary observation when ``out.next_obs`` is ``None``
         (the decoupled runner passes ``out.obs``: its next policy saw a stale one).
     """
-    if not isinstance(out, EnvStep):
-        raise TypeError(f"env.step must return an EnvStep, got {type(out).__name__}")
+    checked_env_step(out)
     initial = None
     if int(key.chunk_id) == 0:
         flags = prev if prev is not None else jax.tree.map(np.zeros_like, out.transition)
@@ -524,6 +536,69 @@ def checked_batch_wait(value: Any, auto: bool) -> float | str:
     return float(value)
 
 
+def checked_env_step(out: Any) -> EnvStep:
+    """``out`` if it is an :class:`EnvStep`.
+
+    Raises:
+      TypeError: anything else (a gymnasium step's tuple), naming its type.
+    """
+    if not isinstance(out, EnvStep):
+        raise TypeError(f"env.step must return an EnvStep, got {type(out).__name__}")
+    return out
+
+
+def check_run_start(collector: TrajectoryCollector, env_ranks: Sequence[int], stage_id: int,
+                    step_id: int, num_steps: int) -> None:
+    """Before a run: the collector accepts the runner's next training step from every
+    rank, and will flush each step the run completes (else a later step's halves could
+    only be held, and lost when the run ends).
+
+    Raises:
+      ValueError: a rank's step differs (naming the rank and both steps), or
+        ``auto_flush=False`` with ``num_steps > 1``; nothing has run.
+    """
+    for r in env_ranks:
+        current = collector.current_step(r, stage_id)
+        if current != step_id:
+            hint = (" (auto_flush=False: flush() the complete step first)"
+                    if not collector.auto_flush and current < step_id else "")
+            raise ValueError(
+                f"env rank {r}: the collector accepts training step {current}, the runner's "
+                f"next is step {step_id}{hint}: set runner.step_id = {current} (a collector "
+                "restored from a checkpoint), or give the runner a collector at its step"
+            )
+    if not collector.auto_flush and num_steps > 1:
+        raise ValueError(
+            f"num_steps={num_steps} with a collector of auto_flush=False: it flushes a step "
+            "only when you call flush(), so a later step's halves could never go in; run "
+            "one step at a time (num_steps=1) and flush between runs"
+        )
+
+
+def checked_seconds(name: str, value: Any) -> float:
+    """A finite number of seconds >= 0 (``jitter_s``), as a float.
+
+    Raises:
+      ValueError: anything else (a bool, NaN, infinity, a string), naming ``name``.
+    """
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+            or not math.isfinite(value) or value < 0):
+        raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+    return float(value)
+
+
+def checked_num_steps(value: Any) -> int:
+    """A run's ``num_steps``: an integer >= 1.
+
+    Raises:
+      ValueError: anything else (a float, a bool, 0), naming ``num_steps``; raised before
+        the runner touches anything.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"num_steps must be an integer >= 1, got {value!r}")
+    return int(value)
+
+
 def _average(old: float | None, new: float) -> float:
     """An exponential average, each new value half the weight."""
     return new if old is None else 0.5 * (old + new)
@@ -618,6 +693,14 @@ class Consumer:
       collector: the collector to feed (not thread-safe: one consumer only).
       on_flush: ``on_flush(queue_key, item)`` per flushed item; else
         ``output_queue.put((queue_key, item))``; else the items are kept in :attr:`kept`.
+      stopped: whether the run is stopping (a worker failed): a put on a full
+        ``output_queue`` then gives up, the item kept in :attr:`undelivered`, instead
+        of waiting for a reader forever.
+
+    Attributes:
+      undelivered: flushed items not delivered (``on_flush`` raised, or the run stopped
+        while ``output_queue`` was full); the runner hands them over on its
+        :class:`RunnerError`.
     """
 
     def __init__(
@@ -625,17 +708,22 @@ class Consumer:
         collector: TrajectoryCollector,
         on_flush: Callable[[str, Any], None] | None = None,
         output_queue: Any = None,
+        stopped: Callable[[], bool] | None = None,
     ):
         self.collector, self.on_flush, self.output_queue = collector, on_flush, output_queue
+        self.stopped = stopped
         self.kept: list[tuple[str, Any]] = []
         self.held: list[tuple[str, Any]] = []
+        self.undelivered: list[tuple[str, Any]] = []
         self.delivered = 0
 
     def consume(self, worker: str, part: Any) -> None:
         """Insert one half from ``worker``; deliver what it completed.
 
         Raises:
-          RunnerError: the collector rejected the half (nothing changed).
+          RunnerError: the collector rejected the half (nothing changed); or a flushed
+            item could not be delivered (worker ``"on_flush"`` / ``"output_queue"``: that
+            item and the rest of the flush are in :attr:`undelivered`, the half is in).
         """
         key = part.source.key
         try:
@@ -646,18 +734,78 @@ class Consumer:
             items = self.collector.add(part)
         except CollectorError as exc:
             raise RunnerError(worker, key.as_tuple(), exc, self.delivered) from exc
-        for item in items:
-            self.deliver(item)
-        if items and self.held:
+        for n, item in enumerate(items):
+            try:
+                self.deliver(item)
+            except BaseException as exc:
+                self.undelivered.extend(items[n:])
+                if isinstance(exc, Exception):
+                    sink = "on_flush" if self.on_flush is not None else "output_queue"
+                    raise RunnerError(sink, None, exc, self.delivered,
+                                      what=describe_item(item)) from exc
+                raise
+        if items and self.held:  # a step flushed: the halves held for the next go in
             held, self.held = self.held, []
-            for w, p in held:
-                self.consume(w, p)
+            for n, (w, p) in enumerate(held):
+                try:
+                    self.consume(w, p)
+                except BaseException:
+                    self.held.extend(held[n + 1 :])  # not lost: still held
+                    raise
 
     def deliver(self, item: tuple[str, Any]) -> None:
         if self.on_flush is not None:
             self.on_flush(*item)
         elif self.output_queue is not None:
-            self.output_queue.put(item)
+            self._put(item)
         else:
             self.kept.append(item)
         self.delivered += 1
+
+    def _put(self, item: tuple[str, Any]) -> None:
+        """``output_queue.put(item)``, waiting while it is full unless the run stops."""
+        if self.stopped is None:
+            self.output_queue.put(item)
+            return
+        while True:
+            try:
+                self.output_queue.put(item, timeout=0.05)
+                return
+            except queue.Full:
+                if self.stopped():
+                    raise _QueueFullStopped(
+                        "the run stopped while output_queue was full (nothing read it)"
+                    ) from None
+
+    def check_held(self) -> None:
+        """After a run: halves still held (their step never became current) would be lost
+        silently; raise instead, naming them (they stay in :attr:`held`).
+
+        Raises:
+          RunnerError: any half is held.
+        """
+        if self.held:
+            keys = [p.source.key.as_tuple() for _, p in self.held]
+            raise RunnerError(self.held[0][0], keys[0], RuntimeError(
+                f"{len(keys)} half(s) of a later training step could not be inserted: their "
+                f"source's step never flushed (the collector's current step is behind "
+                f"them): {keys[:4]}{' ...' if len(keys) > 4 else ''}"
+            ), self.delivered, self.undelivered)
+
+
+class _QueueFullStopped(RuntimeError):
+    """A delivery given up: the run stopped while ``output_queue`` was full."""
+
+
+def describe_item(item: tuple[str, Any]) -> str:
+    """``"queue 'default', step 3, env rank 1"``: what a flushed ``(queue_key, item)``
+    is, for an error (the step and rank where the item carries them as scalars)."""
+    queue_key, value = item
+    out = f"queue {queue_key!r}"
+    for name, label in (("step_id", "step"), ("env_rank", "env rank")):
+        x = getattr(value, name, None)
+        try:
+            out += f", {label} {int(np.asarray(x).reshape(()))}"
+        except (TypeError, ValueError):
+            pass
+    return out

@@ -50,6 +50,7 @@ randomness, env halves, version stamping, the consumer) lives in
 from __future__ import annotations
 
 import collections
+import contextlib
 import heapq
 import math
 import queue
@@ -84,8 +85,12 @@ from jaxtraj.runners.service import (  # noqa: F401  (re-exported: the public na
     action_spec,
     check_env,
     check_env_ranks,
+    check_run_start,
     check_seeds,
     checked_batch_wait,
+    checked_env_step,
+    checked_num_steps,
+    checked_seconds,
     chunk_keys,
     complete_env_part,
     env_part,
@@ -262,8 +267,8 @@ class AsyncRunner:
         check_env_ranks(collector, self.env_ranks, stage_id)
         if env_workers not in ("thread", "process"):
             raise ValueError(f"env_workers must be 'thread' or 'process', got {env_workers!r}")
-        if num_steps < 1:
-            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+        num_steps = checked_num_steps(num_steps)
+        jitter_s = checked_seconds("jitter_s", jitter_s)
         if max_batch is not None and max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         batch_wait_s = checked_batch_wait(batch_wait_s, auto=True)
@@ -282,8 +287,9 @@ class AsyncRunner:
                 check_env(env, collector)  # spaces against the examples, before any thread
             if not allow_shared_seeds:
                 check_seeds(self.envs, self.env_ranks)
-        except BaseException:  # the ranks built so far stop cleanly
-            self.close()
+        except BaseException:  # the ranks built so far stop cleanly (their error is not this one)
+            with contextlib.suppress(Exception):
+                self.close()
             raise
         self.num_steps, self.step_id, self.stage_id = num_steps, step_id, stage_id
         self.seed, self.on_flush, self.output_queue = seed, on_flush, output_queue
@@ -298,6 +304,7 @@ class AsyncRunner:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._failure: tuple[str, tuple | None, BaseException] | None = None
+        self._failed_on: str | None = None  # what it failed on, where not a chunk
         # Requests and replies are bounded by the protocol (an env worker has at most two
         # requests and one reply outstanding): C-level SimpleQueues, several times cheaper a
         # hand-off than queue.Queue's Python locks. Parts keep a bound (backpressure).
@@ -321,6 +328,7 @@ class AsyncRunner:
         self._rng_steps = StepRngs(self.plan, seed, self.env_ranks, stage_id)
         self.calls = 0  # policy_fn calls of the last run
         self._broken: str | None = None  # the failure that ended the last run, if any
+        self._running = False  # a run() is under way (another is refused)
 
     # -- public ----------------------------------------------------------------------
 
@@ -369,9 +377,21 @@ class AsyncRunner:
             collector. The runner cannot run again after it (its environments are
             mid-step): a later call raises ``RuntimeError`` saying so.
         """
-        n = self.num_steps if num_steps is None else num_steps
-        if n < 1:
-            raise ValueError(f"num_steps must be >= 1, got {n}")
+        n = self.num_steps if num_steps is None else checked_num_steps(num_steps)
+        with self._lock:
+            if self._running:
+                raise RuntimeError(
+                    "run() is already running (called from on_flush, policy_fn or another "
+                    "thread): a runner runs one run() at a time"
+                )
+            self._running = True
+        try:
+            return self._run(n)
+        finally:
+            with self._lock:
+                self._running = False
+
+    def _run(self, n: int) -> list[tuple[str, Any]]:
         if self._broken is not None:
             raise RuntimeError(
                 f"this runner's last run failed ({self._broken}): its environments are "
@@ -379,6 +399,13 @@ class AsyncRunner:
                 "collected is in the collector (collector.missing() lists what the step "
                 "waits for); build a new runner, and a new collector or a restored checkpoint"
             )
+        check_run_start(self.collector, self.env_ranks, self.stage_id, self.step_id, n)
+        for env, r in zip(self.envs, self.env_ranks):
+            if isinstance(env, (ThreadBoundEnv, ProcessBoundEnv)) and not env.alive():
+                raise RunnerError(f"env_worker_{r}", None, RuntimeError(
+                    f"env rank {r}'s env was closed (its thread or process has ended): "
+                    "build a new runner"
+                ))
         self._run_steps = n
         self._stop.clear()
         self._failure = None
@@ -386,7 +413,8 @@ class AsyncRunner:
         self._requests, self._parts = queue.SimpleQueue(), queue.Queue(self._parts.maxsize)
         self._replies = [queue.SimpleQueue() for _ in self.envs]
         self._held_replies = [collections.deque() for _ in self.envs]  # see _serve_calls
-        self._consumer = consumer = Consumer(self.collector, self.on_flush, self.output_queue)
+        self._consumer = consumer = Consumer(self.collector, self.on_flush, self.output_queue,
+                                             self._stop.is_set)
         self._rng_steps = StepRngs(self.plan, self.seed, self.env_ranks, self.stage_id)
         self._due.new_run()
         self.calls = 0
@@ -459,13 +487,19 @@ class AsyncRunner:
             finally:
                 self._stop.set()
                 self._join()
+        if self._failure is None:
+            try:
+                consumer.check_held()
+            except RunnerError as exc:
+                self._fail(exc.worker, exc.key, exc)
         if self._failure is not None:
-            self._drain()
             worker, key, exc = self._failure
-            self._broken = f"{worker} at key {key}: {type(exc).__name__}"
+            self._broken = f"{worker} at key {key}: {type(exc).__name__}"  # before the drain:
+            self._drain()  # a KeyboardInterrupt in it leaves the runner marked broken
             if isinstance(exc, KeyboardInterrupt):
                 raise exc
-            raise RunnerError(worker, key, exc, self.delivered) from exc
+            raise RunnerError(worker, key, exc, self.delivered, consumer.undelivered,
+                              self._failed_on) from exc
         self.step_id += n
         return rank_order(consumer.kept)
 
@@ -473,9 +507,15 @@ class AsyncRunner:
         """Close the environments this runner built from factories (their threads or
         processes end); envs given built are the caller's to close. Idempotent; also on
         leaving a ``with`` block."""
-        for env in getattr(self, "envs", []):
+        first = None
+        for env in getattr(self, "envs", []):  # every one, whatever one raises
             if isinstance(env, (ThreadBoundEnv, ProcessBoundEnv)):
-                env.close()
+                try:
+                    env.close()
+                except Exception as exc:  # noqa: BLE001  (raised once all are closed)
+                    first = first or exc
+        if first is not None:
+            raise first
 
     def __enter__(self) -> AsyncRunner:
         return self
@@ -528,7 +568,9 @@ class AsyncRunner:
     def _fail(self, worker: str, key: Any, exc: BaseException) -> None:
         with self._lock:
             if self._failure is None:
+                self._failed_on = None
                 if isinstance(exc, RunnerError):
+                    self._failed_on = exc.what
                     worker, key, exc = exc.worker, exc.key, exc.cause
                 if key is not None and not isinstance(key, tuple):
                     key = key.as_tuple()
@@ -727,7 +769,7 @@ class AsyncRunner:
             out = env.step(key, actions)
             share = meter.share()
         self._due.cpu(i, share)  # rank i's worker is the one writer of its entry
-        return out
+        return checked_env_step(out)
 
     def _wait(self) -> float:
         """How long a call waits for other ranks: ``batch_wait_s``, or with ``"auto"``
@@ -1001,7 +1043,7 @@ class AsyncRunner:
                     stepping[i] = None
                     expect.back(i, time.monotonic())
                     try:
-                        out = self.envs[i].receive()
+                        out = checked_env_step(self.envs[i].receive())
                     except Exception as exc:  # key None: its process ended with no step to run
                         raise RunnerError(names[i], key and key.as_tuple(), exc) from exc
                     expect.cpu(i, self.envs[i].step_share)  # not a call's meanwhile
@@ -1059,8 +1101,8 @@ class AsyncRunner:
         for _, _, worker, part in held:
             try:
                 self._consumer.consume(worker, part)
-            except Exception:  # the first failure is the one reported
-                return
+            except Exception:  # noqa: BLE001  (the first failure is the one reported; the
+                continue  # parts behind it are healthy: a rejected part changed nothing)
 
     def _join(self, timeout_s: float = 10.0) -> None:
         deadline = time.monotonic() + timeout_s

@@ -1,0 +1,206 @@
+"""Host runners under failure and bad input: nothing collected is lost silently, no run
+hangs, and the error names what was wrong (from a review of the runners)."""
+
+from __future__ import annotations
+
+import functools
+import queue
+import threading
+
+import numpy as np
+import pytest
+from test_runners_threads import PARAMS, RANKS, PointEnv, make_collector, policy_fn
+
+from jaxtraj.runners.threads import AsyncRunner, DecoupledRunner, RunnerError
+
+
+class Rank0Env(PointEnv):
+    """An env class whose constructor takes nothing: itself a factory."""
+
+    def __init__(self):
+        super().__init__(0)
+
+
+class CloseRaises(PointEnv):
+    def close(self):
+        raise RuntimeError(f"close of rank {self.rank} failed")
+
+
+class TupleEnv(PointEnv):
+    """Returns a gymnasium step's tuple, not an EnvStep, from chunk 1 on."""
+
+    def step(self, key, actions):
+        out = super().step(key, actions)
+        if int(key.chunk_id) >= 1:
+            return out.obs, out.transition.rewards, out.transition.terminations, None, {}
+        return out
+
+
+def runner_of(envs, **kw):
+    return AsyncRunner(make_collector(), envs, policy_fn, PARAMS, **kw)
+
+
+def test_a_collector_at_another_step_or_not_flushing_is_refused_before_anything_runs():
+    collector = make_collector()
+    runner = AsyncRunner(collector, [PointEnv(r) for r in range(RANKS)], policy_fn, PARAMS,
+                         step_id=1)
+    with pytest.raises(ValueError, match=r"env rank 0: the collector accepts training step 0, "
+                       r"the runner's next is step 1"):
+        runner.run()  # its halves could only be held, and lost as the run ended
+    runner.step_id = 0  # as the message says; nothing went in before (no DUPLICATE now)
+    assert len(runner.run()) == RANKS
+
+    manual = make_collector(auto_flush=False)
+    runner = AsyncRunner(manual, [PointEnv(r) for r in range(RANKS)], policy_fn, PARAMS)
+    with pytest.raises(ValueError, match="auto_flush=False"):
+        runner.run(num_steps=2)
+    assert runner.run(num_steps=1) == []  # complete, flushed by the caller
+    assert len([x for scope in manual.ready() for x in manual.flush(*scope)]) == RANKS
+    assert runner.run(num_steps=1) == [] and len(manual.ready()) == RANKS
+
+
+def test_an_on_flush_error_names_the_item_and_nothing_flushed_is_lost():
+    delivered, failed = [], []
+
+    def on_flush(queue_key, tr):
+        item = (int(tr.step_id), int(tr.env_rank))
+        if not failed:
+            failed.append(item)
+            raise OSError("disk full")
+        delivered.append(item)
+
+    collector = make_collector()
+    runner = AsyncRunner(collector, [PointEnv(r, delay_s=0.002) for r in range(RANKS)],
+                         policy_fn, PARAMS, num_steps=2, jitter_s=0.02, on_flush=on_flush)
+    with pytest.raises(RunnerError) as info:
+        runner.run()
+    err = info.value
+    assert err.worker == "on_flush" and isinstance(err.cause, OSError)
+    assert f"on queue 'default', step {failed[0][0]}, env rank {failed[0][1]}" in str(err)
+    undelivered = [(int(t.step_id), int(t.env_rank)) for _, t in err.undelivered]
+    assert undelivered[0] == failed[0]
+    flushed = {(s, r) for r in range(RANKS) for s in range(collector.current_step(r))}
+    assert flushed == set(delivered) | set(undelivered)  # each item delivered or handed over
+    assert len(delivered) + len(undelivered) == len(flushed)
+    with pytest.raises(RuntimeError, match="last run failed"):
+        runner.run()
+
+
+def test_after_a_failure_every_healthy_half_published_goes_into_the_collector():
+    def on_flush(queue_key, tr):  # fails on every item, in the drain too
+        raise OSError("writer down")
+
+    collector = make_collector()
+    runner = AsyncRunner(collector, [PointEnv(r) for r in range(RANKS)], policy_fn, PARAMS,
+                         num_steps=3, on_flush=on_flush, batch_wait_s=0.0)
+    published, put = [], runner._put
+
+    def recording_put(q, item, name, env=None):
+        if name == "parts":
+            _, worker, part = item
+            published.extend(part if worker is None else [(worker, part)])
+        return put(q, item, name, env)
+
+    runner._put = recording_put
+    with pytest.raises(RunnerError) as info:
+        runner.run()
+    assert info.value.undelivered  # the items the drain's flushes made, on_flush failing
+    dropped = []
+    for _, part in published:  # a half the collector would still take was dropped
+        try:
+            collector.add(part)
+        except Exception:  # noqa: BLE001  (in already, or of a step not current)
+            continue
+        dropped.append(part.source.key.as_tuple())
+    assert dropped == []
+
+
+def test_a_full_output_queue_does_not_hang_a_run_whose_worker_failed():
+    out = queue.Queue(maxsize=1)  # nobody reads it during the run
+    envs = [PointEnv(0), PointEnv(1, fail_at=(1, 0, 1, 0, 1))]
+    runner = runner_of(envs, num_steps=2, output_queue=out)
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("exc", _raised(runner.run)), daemon=True)
+    t.start()
+    t.join(60)
+    assert not t.is_alive(), "run() hung on the full output queue"
+    err = box["exc"]
+    assert isinstance(err, RunnerError) and err.worker == "env_worker_1"
+    assert out.qsize() == 1 and err.undelivered  # the item that did not fit is on the error
+
+
+def _raised(fn):
+    try:
+        fn()
+    except BaseException as exc:  # noqa: BLE001
+        return exc
+    return None
+
+
+def test_an_interrupt_in_the_drain_leaves_the_runner_marked_broken():
+    def interrupt(queue_key, tr):
+        raise KeyboardInterrupt
+
+    runner = runner_of([PointEnv(r) for r in range(RANKS)], num_steps=3, on_flush=interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        runner.run()
+    runner.on_flush = None
+    with pytest.raises(RuntimeError, match="last run failed"):
+        runner.run()
+
+
+def test_run_inside_a_run_is_refused():
+    runner = None
+
+    def on_flush(queue_key, tr):
+        runner.run()
+
+    runner = runner_of([PointEnv(r) for r in range(RANKS)], on_flush=on_flush)
+    with pytest.raises(RunnerError, match="run\\(\\) is already running") as info:
+        runner.run()
+    assert info.value.worker == "on_flush"
+
+
+def test_close_closes_every_env_when_one_close_raises():
+    runner = runner_of([lambda: CloseRaises(0), lambda: PointEnv(1)])
+    runner.run()
+    with pytest.raises(RuntimeError, match="close of rank 0 failed"):
+        runner.close()
+    assert [env.alive() for env in runner.envs] == [False, False]
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan"), -1.0, "0.01", True])
+def test_jitter_s_must_be_finite_seconds(bad):
+    with pytest.raises(ValueError, match="jitter_s must be a finite number of seconds"):
+        runner_of([PointEnv(r) for r in range(RANKS)], jitter_s=bad)
+
+
+def test_num_steps_must_be_an_integer_and_a_bad_one_breaks_nothing():
+    with pytest.raises(ValueError, match="num_steps must be an integer >= 1, got 2.0"):
+        runner_of([PointEnv(r) for r in range(RANKS)], num_steps=2.0)
+    runner = runner_of([PointEnv(r) for r in range(RANKS)])
+    for bad in (1.5, True, 0, np.float32(1)):
+        with pytest.raises(ValueError, match="num_steps must be an integer >= 1"):
+            runner.run(num_steps=bad)
+    assert len(runner.run(num_steps=np.int64(1))) == RANKS  # not broken
+
+
+@pytest.mark.parametrize("workers", ["thread", "process"])
+@pytest.mark.parametrize("cls", [AsyncRunner, DecoupledRunner])
+def test_a_step_that_returns_no_envstep_names_the_rank(cls, workers):
+    envs = [functools.partial(TupleEnv, r) for r in range(RANKS)]
+    with cls(make_collector(), envs, policy_fn, PARAMS, env_workers=workers) as runner:
+        with pytest.raises(RunnerError, match="env.step must return an EnvStep, got tuple") as info:
+            runner.run()
+    assert info.value.worker.startswith("env_worker_")
+
+
+@pytest.mark.parametrize("workers", ["thread", "process"])
+def test_an_env_class_is_a_factory_and_a_closed_env_is_named(workers):
+    envs = [Rank0Env, functools.partial(PointEnv, 1)]
+    with AsyncRunner(make_collector(), envs, policy_fn, PARAMS, env_workers=workers) as runner:
+        assert len(runner.run()) == RANKS  # the class built where it runs
+        runner.envs[1].close()
+        with pytest.raises(RunnerError, match="env rank 1's env was closed") as info:
+            runner.run()
+        assert info.value.worker == "env_worker_1"
