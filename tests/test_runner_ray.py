@@ -1072,3 +1072,263 @@ def test_call_env_reaches_each_ranks_env_from_on_flush_and_between_runs(
     assert all([c[1] for c in calls] == list(range(RANKS)) for calls in seen)
     assert any(c[2] < STEPS * E * T for calls in seen for c in calls)  # some mid-run
     assert between == [("between", r, STEPS * E * T) for r in range(RANKS)]
+
+
+# -- from a review: restarts while nothing is in flight, call_env bounded, failures ------
+
+
+class SelfResetEnv(PointEnv):
+    """A PointEnv that steps as soon as it is built (its constructor resets it), as a
+    simulator whose model has a state once loaded: an actor Ray restarts holds one."""
+
+    def __init__(self, rank, **kw):
+        super().__init__(rank, **kw)
+        self.reset()
+
+
+class DieIdleEnv(SelfResetEnv):
+    """Rank 0 answers chunk ``at`` (step, epoch, chunk), then its process exits 0.3 s
+    later (once: ``marker``), while it waits in the learner for a batched inference:
+    rank 1 takes ``slow_s`` over the same chunk."""
+
+    def __init__(self, rank, at, marker, slow_s, snapshots=True):
+        super().__init__(rank, snapshots=snapshots)
+        self.at, self.marker, self.slow_s = at, marker, slow_s
+
+    def step(self, key, actions):
+        out = super().step(key, actions)
+        k = key.as_tuple()
+        if (k[0], k[1], k[4]) == self.at:
+            if self.rank == 0 and not os.path.exists(self.marker):
+                pathlib.Path(self.marker).touch()
+                threading.Thread(target=lambda: (time.sleep(0.3), os._exit(1)),
+                                 daemon=True).start()
+            if self.rank == 1:
+                time.sleep(self.slow_s)
+        return out
+
+
+class EndOfRunDeathEnv(PointEnv):
+    """Rank 1 dies 0.3 s after answering its last chunk of step 0 (once: ``died``), and
+    its restarted process builds slowly; rank 0 holds its own last chunk until ``go``
+    exists (made once the learner saw rank 1 lost): the run's last chunks are in while
+    rank 1's restart is under way."""
+
+    def __init__(self, rank, died, go):
+        if rank == 1 and os.path.exists(died):
+            time.sleep(3.0)
+        super().__init__(rank, snapshots=False)
+        self.died, self.go = died, go
+
+    def step(self, key, actions):
+        out = super().step(key, actions)
+        if key.as_tuple() == (0, E - 1, 1, 0, T - 1) and not os.path.exists(self.died):
+            pathlib.Path(self.died).touch()
+            threading.Thread(target=lambda: (time.sleep(0.3), os._exit(1)), daemon=True).start()
+        if key.as_tuple() == (0, E - 1, 0, 0, T - 1):
+            end = time.monotonic() + 30
+            while not os.path.exists(self.go) and time.monotonic() < end:
+                time.sleep(0.001)
+        return out
+
+
+def _wait_restarted(actor, pid, within_s=60.0):
+    """Until Ray's restart of ``actor`` (whose process was ``pid``) answers."""
+    end = time.monotonic() + within_s
+    while time.monotonic() < end:
+        try:
+            if ray.get(actor.pid.remote(), timeout=5) != pid:
+                return
+        except Exception:  # noqa: BLE001  (restarting)
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"the actor was not restarted within {within_s} s")
+
+
+@pytest.mark.parametrize("transport", ["ray", "direct"])
+def test_an_actor_restarted_between_runs_is_restored_before_it_steps(
+    ray_instance, transport
+):
+    """Ray restarts an actor that died with nothing in flight to it: its env is a fresh
+    one, which steps at once. It is restored first (the next run's chunks equal the
+    threaded runner's), and call_env meanwhile says so instead of reading the fresh env."""
+    reference = threaded(max_batch=1)  # num_steps=1 runs batch nothing here either
+    with ray_runner(make_collector(), SelfResetEnv, num_steps=1, transport=transport,
+                    batch_wait_s=0.0, max_batch=1) as runner:
+        got = by_source(runner.run())
+        actor = runner.actors()[1]
+        pid = ray.get(actor.pid.remote()) if transport == "ray" else None
+        ray.kill(actor, no_restart=False)
+        if transport == "ray":
+            _wait_restarted(actor, pid)
+            with pytest.raises(RuntimeError, match="env_worker_1's actor was restarted"):
+                runner.call_env(1, "get_state")
+        got.update(by_source(runner.run()))
+        assert runner.restarts == 1
+    assert sorted(got) == sorted(reference)
+    for k in reference:
+        assert_same(got[k], reference[k])
+
+
+@pytest.mark.parametrize("transport", ["ray", "direct"])
+def test_an_actor_that_dies_while_its_rank_waits_for_inference_redoes_nothing_stale(
+    ray_instance, reference, tmp_path, transport
+):
+    """A rank's actor dies while the rank waits in the learner for a batched inference
+    (nothing in flight to it): restored, it steps its next chunk's actions (not its last
+    chunk's again, nor while its connection is down)."""
+    marker = str(tmp_path / "died")
+    env_fn = functools.partial(DieIdleEnv, at=(0, 0, 1), marker=marker, slow_s=4.0,
+                               snapshots=transport == "ray")
+    collector = make_collector(resend="accept_identical")
+    with ray_runner(collector, env_fn, transport=transport, batch_wait_s=10.0) as runner:
+        got = by_source(runner.run())
+        assert runner.restarts == 1
+    assert os.path.exists(marker)
+    assert sorted(got) == sorted(reference)
+    for k in reference:
+        assert_same(got[k], reference[k])
+
+
+def test_a_run_ends_only_once_a_restarting_rank_is_restored(ray_instance, tmp_path):
+    """A rank's actor dies after its last chunk of a run: the run restores it before it
+    returns, and the next run goes on from there (not with the last chunk's actions)."""
+    reference = threaded(max_batch=1)
+    died, go = str(tmp_path / "died"), str(tmp_path / "go")
+    runner = ray_runner(make_collector(), functools.partial(EndOfRunDeathEnv, died=died, go=go),
+                        num_steps=1, transport="direct", max_batch=1)
+    stop = threading.Event()
+
+    def watch():  # the learner saw rank 1 lost: rank 0 may finish its last chunk
+        while not stop.is_set():
+            pending = runner._ranks[1].pending
+            if pending and pending[0][0] in ("lost", "ping"):
+                pathlib.Path(go).touch()
+                return
+            time.sleep(0.001)
+
+    threading.Thread(target=watch, daemon=True).start()
+    with runner:
+        got = by_source(runner.run())
+        stop.set()
+        assert not any(w.pending for w in runner._ranks)
+        got.update(by_source(runner.run()))
+        assert runner.restarts == 1
+    assert sorted(got) == sorted(reference)
+    for k in reference:
+        assert_same(got[k], reference[k])
+
+
+@pytest.mark.parametrize("transport", ["ray", "direct"])
+def test_call_env_to_a_hung_env_gives_up_after_stall_timeout(ray_instance, tmp_path, transport):
+    """call_env from on_flush to a rank whose env hangs: with stall_timeout_s the call
+    raises (the actor killed, to be restarted) instead of blocking the run forever."""
+    hung = tmp_path / "hung"  # made as rank 1's env hangs, in its first chunk
+    env_fn = functools.partial(_env_hanging_once, hang_at=(0, 0, 1, 0, 0), marker=str(hung))
+    runner = None
+
+    def on_flush(_, tr):
+        end = time.monotonic() + 30
+        while not hung.exists() and time.monotonic() < end:  # (its actor may start late)
+            time.sleep(0.01)
+        runner.call_env(1, "get_state")
+
+    # (a stall timeout longer than rank 0's run: rank 1 is not killed before the flush)
+    runner = ray_runner(make_collector(), env_fn, num_steps=1, transport=transport,
+                        batch_wait_s=0.0, stall_timeout_s=6.0, on_flush=on_flush)
+    start = time.monotonic()
+    with runner, pytest.raises(RunnerError, match="env_worker_1 did not answer call_env") as info:
+        runner.run()
+    assert info.value.worker == "on_flush" and time.monotonic() - start < 30
+
+
+def test_answers_call_env_read_ahead_are_collected_after_a_failure(ray_instance, tmp_path):
+    """Direct transport: answers call_env read off a rank's connection are inserted by
+    the drain after a failure, and close() leaves none behind."""
+    collector, seen, stepped = make_collector(), [], tmp_path / "stepped"
+    runner = None
+
+    def on_flush(_, tr):
+        end = time.monotonic() + 30
+        while not stepped.exists() and time.monotonic() < end:  # rank 1 has a step in
+            time.sleep(0.01)  # flight (its actor may start late)
+        seen.append(runner.call_env(1, "seen", "x"))
+        raise ValueError("a bug in on_flush")
+
+    env_fn = functools.partial(_slow_counting_env, stepped=str(stepped))
+    runner = ray_runner(collector, env_fn, num_steps=1, transport="direct",
+                        batch_wait_s=0.0, on_flush=on_flush)
+    with pytest.raises(RunnerError, match="on_flush failed on queue 'default'") as info:
+        runner.run()
+    assert isinstance(info.value.cause, ValueError) and info.value.undelivered
+    answered = seen[0][2]  # rank 1's steps answered before call_env's own answer
+    missing = [k for k, half, _ in collector.missing() if k[2] == 1 and half == "env"]
+    assert answered >= 1 and E * T - len(missing) == answered  # each inserted
+    assert all(not w.early for w in runner._ranks)
+
+
+def _slow_counting_env(rank, stepped):
+    """Rank 1 steps in 0.3 s, and says (``stepped``) that its first step is done."""
+    env = CountingEnv(rank)
+    if rank == 1:
+        step = env.step
+
+        def slow(key, actions):
+            time.sleep(0.3)
+            out = step(key, actions)
+            pathlib.Path(stepped).touch()
+            return out
+
+        env.step = slow
+    return env
+
+
+def test_close_or_run_during_a_run_stops_it_named(ray_instance):
+    """close() from on_flush stops the run with a named error, then shuts the actors
+    down; run() from on_flush is refused."""
+    runner = None
+
+    def closing(_, tr):
+        runner.close()
+
+    runner = ray_runner(make_collector(), num_steps=1, transport="ray", on_flush=closing)
+    with pytest.raises(RunnerError, match=r"close\(\) was called during run\(\)"):
+        runner.run()
+    assert all(w.actor is None for w in runner._ranks)
+
+    def rerun(_, tr):
+        runner.run()
+
+    runner = ray_runner(make_collector(), num_steps=1, transport="ray", on_flush=rerun)
+    with runner, pytest.raises(RunnerError, match=r"run\(\) is already running"):
+        runner.run()
+
+
+def test_a_collector_at_another_step_is_refused_before_any_actor_starts(ray_instance):
+    runner = ray_runner(make_collector(), step_id=1)
+    with pytest.raises(ValueError, match="the collector accepts training step 0"):
+        runner.run()
+    assert all(w.actor is None for w in runner._ranks)
+    with pytest.raises(ValueError, match="num_steps must be an integer"):
+        runner.run(num_steps=1.5)
+
+
+def test_a_replayed_rank_keeps_its_record_in_place_and_warns_when_long(
+    ray_instance, monkeypatch
+):
+    """An env without get_state: its rank keeps (key, actions) since its reset for a
+    restart's replay, appended in place (not copied each chunk), with a warning once long."""
+    from jaxtraj.runners import ray as ray_runners
+
+    monkeypatch.setattr(ray_runners, "REPLAY_WARN", 2 * E * T)
+    env_fn = functools.partial(_no_snapshots)
+    with ray_runner(make_collector(), env_fn, num_steps=1, transport="ray") as runner:
+        runner.run()
+        record = runner._ranks[0].replay
+        with pytest.warns(RuntimeWarning, match="has no get_state"):
+            runner.run()
+        assert runner._ranks[0].replay is record and len(record) == 2 * E * T
+
+
+def _no_snapshots(rank):
+    return PointEnv(rank, snapshots=False)

@@ -121,7 +121,9 @@ from jaxtraj.runners.service import (
     _Due,
     action_spec,
     check_env_ranks,
+    check_run_start,
     checked_batch_wait,
+    checked_num_steps,
     chunk_keys,
     complete_env_part,
     env_part,
@@ -148,6 +150,15 @@ _RETRY_S = 0.1
 #: After this long without an actor's first answer, the runner warns that Ray may be
 #: unable to place it (a start takes seconds: importing JAX, building the env).
 START_WARN_S = 60.0
+#: A rank whose env has no ``get_state()`` keeps every chunk's actions since its reset
+#: (a restart replays them): at this many, the runner warns once.
+REPLAY_WARN = 100_000
+
+
+class Unrestored(RuntimeError):
+    """An env actor's env is not where the learner left it: Ray restarted the actor's
+    process (its env built afresh) while the learner had nothing in flight to it. It
+    steps again once the learner restores it (the learner does, on this error)."""
 
 
 class EnvWorker:
@@ -193,6 +204,9 @@ class EnvWorker:
         self.value_fn, self.layout = value_fn, layout
         self.obs: PyTree = None
         self.prev = None  # the last chunk's EnvTransition (chunk 0 carries its flags)
+        # Reset or restored by the learner: until then a step is refused (an actor Ray
+        # restarted holds a fresh env, not the one the learner's chunks came from).
+        self._restored = False
         self._meter: tuple[int, CpuMeter] | None = None  # (thread, its meter)
 
     def _metered_step(self, key: TrajectoryKey, actions: Any) -> tuple[Any, float | None]:
@@ -212,19 +226,32 @@ class EnvWorker:
     def pid(self) -> int:
         return os.getpid()
 
-    def env_call(self, method: str, args: tuple, kwargs: dict) -> Any:
-        """``env.<method>(*args, **kwargs)`` here (:meth:`RayRunner.call_env`)."""
+    def env_call(self, method: str, args: tuple, kwargs: dict, started: bool = False) -> Any:
+        """``env.<method>(*args, **kwargs)`` here (:meth:`RayRunner.call_env`);
+        ``started``: the learner reset this rank's env (an actor restarted since then
+        refuses, :class:`Unrestored`: its env is not that one)."""
+        if started:
+            self._check_restored()
         return getattr(self.env, method)(*args, **kwargs)
+
+    def _check_restored(self) -> None:
+        if not self._restored:
+            raise Unrestored(
+                "this env actor was restarted (its env built afresh) and not yet restored "
+                "to where the learner's chunks left it"
+            )
 
     def reset(self) -> PyTree:
         """Reset every environment; the first observation."""
         self.obs, self.prev = self.env.reset(), None
+        self._restored = True
         return self.obs
 
     def step(self, key: tuple, actions: Any) -> tuple[Any, EnvStep, Any, float | None]:
         """Execute chunk ``key``'s actions: ``(env half, the env's EnvStep, snapshot,
         the share of the step on CPU)``; the learner completes the half (terminal
         inference on ``EnvStep.final_obs``)."""
+        self._check_restored()
         key = TrajectoryKey(*key)
         out, share = self._metered_step(key, actions)
         part = env_part(self.plan, key, out, self.prev)
@@ -240,6 +267,7 @@ class EnvWorker:
         chunk's row keys ``[B, 2]``, :func:`~jaxtraj.runners.service.row_rngs` of its
         :func:`~jaxtraj.runners.service.key_rng`): ``([(policy half, env half)],
         snapshot)``."""
+        self._check_restored()
         out = []
         bsz = self.plan.batch_size
         for k, rng in zip(keys, rngs):
@@ -261,6 +289,7 @@ class EnvWorker:
         EnvStep, snapshot, the share of the step on CPU)``, the env half made in the
         learner (from the same EnvStep and the previous chunk's transition, which the
         learner keeps)."""
+        self._check_restored()
         out, share = self._metered_step(key, actions)
         if not isinstance(out, EnvStep):
             raise TypeError(f"env.step must return an EnvStep, got {type(out).__name__}")
@@ -278,6 +307,7 @@ class EnvWorker:
             for key, actions in replay:
                 obs = self.env.step(TrajectoryKey(*key), actions).obs
         self.obs, self.prev = obs, prev
+        self._restored = True
         return obs
 
     def _snapshot(self) -> Any:
@@ -413,6 +443,12 @@ class _Failure:
 
     exc: BaseException
     env: bool = False
+
+
+def _unrestored(exc: BaseException) -> bool:
+    """Whether ``exc`` (as Ray raises it, or as a direct connection's answer) is an
+    actor's :class:`Unrestored`."""
+    return isinstance(exc, Unrestored) or isinstance(getattr(exc, "cause", None), Unrestored)
 
 
 #: A request sent over a rank's direct connection (its answer comes back on it, in order).
@@ -725,6 +761,9 @@ class RayRunner:
         self._ranks = [_Rank(i, r) for i, r in enumerate(self.env_ranks)]
         self._consumer = Consumer(collector, on_flush, output_queue)
         self._draining = False
+        self._running = False  # a run() is under way (another is refused)
+        self._close_asked = False  # close() called during a run: the run stops, then closes
+        self._replay_warned = False
         self.restarts = 0  # worker restarts handled over this runner's life
         self.transport, self.direct_address = transport, direct_address
         self._listener: socket.socket | None = None  # transport="direct": where actors dial
@@ -804,20 +843,50 @@ class RayRunner:
                 break
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{w.name}'s actor did not connect within {_DIAL_S:.0f} s")
+        request = (method, args, kwargs, w.started)
         if not (w.direct and w.conn is not None):  # not serving a connection: a Ray call
-            return ray.get(w.actor.env_call.remote(method, args, kwargs))
+            ref = w.actor.env_call.remote(*request)
+            try:
+                return ray.get(ref, timeout=self.stall_timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                self._stalled_call(w, method)
+            except Exception as exc:
+                if _unrestored(exc):
+                    raise RuntimeError(
+                        f"{w.name}'s actor was restarted (its process died; Ray built its env "
+                        "afresh): the run restores it, call_env again after the next run() "
+                        "or from its on_flush"
+                    ) from exc
+                raise
         try:
             # The answers to the requests in flight come first: read, kept for the run.
             for _ in range(sum(p[1] is _DIRECT for p in w.pending) - len(w.early)):
-                w.early.append(w.conn.recv_bytes())
-            w.conn.send_bytes(_dumps(("env_call", (method, args, kwargs))))
-            data = w.conn.recv_bytes()
+                w.early.append(self._recv_call(w, method))
+            w.conn.send_bytes(_dumps(("env_call", request)))
+            data = self._recv_call(w, method)
         except (EOFError, OSError) as exc:  # the run's loop restarts the rank
             raise RuntimeError(f"{w.name}'s connection to its actor broke: {exc!r}") from exc
         ok, value = pickle.loads(data)
         if not ok:
             raise value
         return value
+
+    def _recv_call(self, w: _Rank, method: str) -> bytes:
+        """The next answer on rank ``w``'s connection, for :meth:`call_env`: within
+        ``stall_timeout_s``, where set."""
+        if self.stall_timeout_s is not None and not w.conn.poll(self.stall_timeout_s):
+            self._stalled_call(w, method)
+        return w.conn.recv_bytes()
+
+    def _stalled_call(self, w: _Rank, method: str) -> None:
+        """Rank ``w``'s actor did not answer :meth:`call_env` within ``stall_timeout_s``:
+        killed (Ray restarts it; a run restores it), and the call raises."""
+        ray.kill(w.actor, no_restart=False)
+        raise RuntimeError(
+            f"{w.name} did not answer call_env({method!r}) within stall_timeout_s="
+            f"{self.stall_timeout_s} s (its env hung, or a step in flight did): its actor "
+            "was killed, and Ray restarts it (the run restores it)"
+        )
 
     @property
     def transports(self) -> dict[int, str]:
@@ -831,7 +900,13 @@ class RayRunner:
         }
 
     def close(self) -> None:
-        """Shut every env actor down (Ray does not restart them)."""
+        """Shut every env actor down (Ray does not restart them). Called during a
+        :meth:`run` (from ``on_flush``, or another thread), it stops the run, which
+        raises :class:`RunnerError` and then shuts them down."""
+        with self._lock:
+            if self._running:
+                self._close_asked = True
+                return
         for w in self._ranks:
             if w.conn is not None:
                 w.conn.close()
@@ -843,6 +918,7 @@ class RayRunner:
                     pass
             w.actor, w.started, w.pending, w.ping_at = None, False, deque(), None
             w.obs, w.snapshot, w.prev, w.replay, w.loop = None, None, None, [], None
+            w.early, w.readers, w.actions = deque(), _StepReaders(), None
         if self._listener is not None:
             self._unlisten()
 
@@ -867,12 +943,28 @@ class RayRunner:
           RunnerError: a worker failed for good, or the collector rejected a half;
             every actor is shut down first; what was collected stays in the collector.
         """
-        n = self.num_steps if num_steps is None else num_steps
-        if n < 1:
-            raise ValueError(f"num_steps must be >= 1, got {n}")
+        n = self.num_steps if num_steps is None else checked_num_steps(num_steps)
+        with self._lock:
+            if self._running:
+                raise RuntimeError(
+                    "run() is already running (called from on_flush, policy_fn or another "
+                    "thread): a runner runs one run() at a time"
+                )
+            self._running, self._close_asked = True, False
+        try:
+            return self._run(n)
+        finally:
+            with self._lock:
+                self._running = False
+            if self._close_asked:  # close() was called during the run: done now
+                self.close()
+
+    def _run(self, n: int) -> list[tuple[str, Any]]:
+        check_run_start(self.collector, self.env_ranks, self.stage_id, self.step_id, n)
         self._run_steps = n
         self._start()
-        self._consumer = consumer = Consumer(self.collector, self.on_flush, self.output_queue)
+        self._consumer = consumer = Consumer(self.collector, self.on_flush, self.output_queue,
+                                             lambda: self._draining)
         # Row keys one training step at a time (memory does not grow with n); keys by
         # index, no list of them.
         self._rngs = StepRngs(self.plan, self.seed, self.env_ranks, self.stage_id)
@@ -889,7 +981,12 @@ class RayRunner:
                 w.progress_at = time.monotonic()
                 self._submit(w)
             stall_at = time.monotonic()
-            while any(w.n < w.total for w in self._ranks):
+            # (a rank restarting after its last chunk is restored before the run ends)
+            while any(w.n < w.total or w.pending or w.ping_at is not None for w in self._ranks):
+                if self._close_asked:
+                    raise RunnerError("runner", None, RuntimeError(
+                        "close() was called during run(): the run stopped, its actors shut "
+                        "down; what was collected is in the collector"), consumer.delivered)
                 now = time.monotonic()
                 self._warn_unstarted(now)
                 for w in self._ranks:
@@ -939,9 +1036,13 @@ class RayRunner:
             else:  # the env halves already received are collected all the same
                 self._catch_up_quietly()
             self.close()
-            if isinstance(exc, (RunnerError, KeyboardInterrupt)):
+            if isinstance(exc, KeyboardInterrupt):
                 raise
-            raise RunnerError("consumer", None, exc, consumer.delivered) from exc
+            if isinstance(exc, RunnerError):  # with what the drain could not deliver too
+                raise RunnerError(exc.worker, exc.key, exc.cause, consumer.delivered,
+                                  consumer.undelivered, exc.what) from exc.cause
+            raise RunnerError("consumer", None, exc, consumer.delivered,
+                              consumer.undelivered) from exc
         self.step_id += n
         return rank_order(consumer.kept)
 
@@ -1123,8 +1224,7 @@ class RayRunner:
         if actions is None:  # checked first
             for w, key, part in zip(batch, keys, parts):  # the actors step while we insert
                 self._step(w, key, part.output.actions)
-        for part in parts:
-            self._consumer.consume("policy_worker", part)
+        self._insert_all([(None, part) for part in parts])
 
     def _step(self, w: _Rank, key: TrajectoryKey, actions: Any) -> None:
         """Rank ``w``'s actor executes chunk ``key``'s ``actions`` (kept for a restart's
@@ -1149,6 +1249,9 @@ class RayRunner:
             return
         if isinstance(result, _Failure):
             exc = result.exc
+            if _unrestored(exc):  # Ray restarted the actor while nothing was in flight to
+                self._restart(w, exc)  # it: its env is a fresh one, restored first
+                return
             if result.env or isinstance(exc, ray.exceptions.RayTaskError):  # the env raised
                 cause = getattr(exc, "cause", None) or exc
                 # its dial failed (an OSError: refused, timed out, not the runner's key)
@@ -1194,15 +1297,18 @@ class RayRunner:
             self._checked_obs(w, obs)  # before the policy sees it
             self._behind.append((w, part, out))  # completed and inserted after the serving
             self._advance(w, [(payload.as_tuple(), w.actions)], part.transition, snapshot)
-            w.obs = obs
+            # Done: a restart from here redoes no step (its next chunk's actions are
+            # not inferred yet)
+            w.obs, w.actions = obs, None
         else:  # "run"
             pairs, snapshot = result
-            for policy, env in pairs:
+            for policy, _ in pairs:
                 self._checked_obs(w, policy.obs)
-                self._insert(w, policy)
-                self._insert(w, env)
             done = [(p.source.key.as_tuple(), np.array(p.output.actions)) for p, _ in pairs]
-            self._advance(w, done, pairs[-1][1].transition, snapshot)
+            try:
+                self._insert_all([(w, p) for pair in pairs for p in pair])
+            finally:  # (a flushed item not delivered: the halves are in all the same)
+                self._advance(w, done, pairs[-1][1].transition, snapshot)
         self._submit(w)
 
     def _catch_up(self) -> None:
@@ -1228,8 +1334,37 @@ class RayRunner:
         w.n += len(done)
         # Copies: a view into a received object would pin all of it in the object store.
         w.prev, w.snapshot = jax.tree.map(np.array, prev), snapshot
-        w.replay = [] if snapshot is not None else w.replay + done
+        if snapshot is not None:
+            w.replay = []
+        else:  # (appended in place: copying it every chunk cost its length each time)
+            w.replay.extend(done)
+            if len(w.replay) >= REPLAY_WARN and not self._replay_warned:
+                self._replay_warned = True
+                warnings.warn(
+                    f"RayRunner: {w.name}'s env has no get_state(), so a restart of its "
+                    f"actor replays every chunk since its reset: {REPLAY_WARN} chunks' "
+                    "actions are kept and would be replayed, more each chunk. Give the env "
+                    "get_state() / set_state(snapshot) (restored in one call, nothing kept)",
+                    RuntimeWarning, stacklevel=2,
+                )
         w.failures = 0  # "keeps failing": failures without progress in between
+
+    def _insert_all(self, parts: list[tuple[_Rank | None, Any]]) -> None:
+        """Insert every ``(rank, half)`` (rank ``None``: the learner's policy half); a
+        flushed item that cannot be delivered fails the run once all are in."""
+        failed = None
+        for w, part in parts:
+            try:
+                if w is None:
+                    self._consumer.consume("policy_worker", part)
+                else:
+                    self._insert(w, part)
+            except RunnerError as exc:
+                if exc.worker not in ("on_flush", "output_queue"):
+                    raise
+                failed = failed or exc
+        if failed is not None:
+            raise failed
 
     def _insert(self, w: _Rank, part: Any) -> None:
         worker = (
@@ -1251,6 +1386,7 @@ class RayRunner:
         if self._draining or w.failures > self.max_restarts:
             raise RunnerError(w.name, w.key(), exc, self.delivered) from exc
         self.restarts += 1
+        self._unready(w)
         if w.conn is not None:
             w.conn.close()
             w.conn = None
@@ -1258,6 +1394,13 @@ class RayRunner:
         w.early.clear()
         w.sent = w.n
         w.pending.append(("ping", w.actor.pid.remote(), None))
+
+    def _unready(self, w: _Rank) -> None:
+        """Rank ``w`` no longer waits for an inference (its actor is restarting)."""
+        if w in self._ready:
+            self._ready.remove(w)
+            if not self._ready:
+                self._ready_at = None
 
     def _redo(self, w: _Rank) -> None:
         if w.direct and w.conn is None:
@@ -1455,6 +1598,7 @@ class RayRunner:
         w.conn = None
         w.pending.clear()
         w.early.clear()
+        self._unready(w)  # not inferred for while it restarts (its redo asks again)
         broke = ConnectionError(f"{w.name}'s connection to its actor broke: {exc!r}")
         if w.loop is None:
             self._restart(w, broke)
@@ -1530,8 +1674,8 @@ class RayRunner:
             while w.pending:
                 head = w.pending[0][1]
                 try:
-                    if head is _DIRECT:
-                        if w.conn is None or not w.conn.poll(0):
+                    if head is _DIRECT:  # (answers call_env read ahead are in too)
+                        if not w.early and (w.conn is None or not w.conn.poll(0)):
                             break
                         self._receive_direct(w)
                         continue
@@ -1539,7 +1683,11 @@ class RayRunner:
                     if not ready:
                         break
                     self._receive(w, _fetch(ready)[0])
-                except Exception:  # the first failure is the one reported
+                except RunnerError as exc:  # a flushed item not delivered: its half is in,
+                    if exc.worker in ("on_flush", "output_queue"):  # the next may go on
+                        continue
+                    break  # the first failure is the one reported
+                except Exception:  # noqa: BLE001
                     break
         self._catch_up_quietly()
         self._draining = False
