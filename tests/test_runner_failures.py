@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 from test_runners_threads import PARAMS, RANKS, PointEnv, make_collector, policy_fn
 
+from jaxtraj import CollectorError
+from jaxtraj.runners.service import Consumer
 from jaxtraj.runners.threads import AsyncRunner, DecoupledRunner, RunnerError
 
 
@@ -96,10 +98,10 @@ def test_after_a_failure_every_healthy_half_published_goes_into_the_collector():
     published, put = [], runner._put
 
     def recording_put(q, item, name, env=None):
+        put(q, item, name, env)  # (raises, nothing queued, once the run stops)
         if name == "parts":
             _, worker, part = item
             published.extend(part if worker is None else [(worker, part)])
-        return put(q, item, name, env)
 
     runner._put = recording_put
     with pytest.raises(RunnerError) as info:
@@ -204,3 +206,37 @@ def test_an_env_class_is_a_factory_and_a_closed_env_is_named(workers):
         with pytest.raises(RunnerError, match="env rank 1's env was closed") as info:
             runner.run()
         assert info.value.worker == "env_worker_1"
+
+
+def test_halves_held_for_the_next_step_go_in_when_the_flush_before_fails():
+    """A half of step 1 arrives before step 0 is complete (held); step 0's flush then
+    fails in on_flush: the held half still goes in (and the failure is raised)."""
+    published = []
+    clean = AsyncRunner(make_collector(), [PointEnv(r) for r in range(RANKS)], policy_fn, PARAMS,
+                        num_steps=2)
+    put = clean._put
+
+    def recording_put(q, item, name, env=None):
+        put(q, item, name, env)
+        if name == "parts":
+            _, worker, part = item
+            published.extend(part if worker is None else [(worker, part)])
+
+    clean._put = recording_put
+    clean.run()
+    rank0 = [(w, p) for w, p in published if int(p.source.key.env_rank) == 0]
+    step0 = [x for x in rank0 if int(x[1].source.key.step_id) == 0]
+    step1 = [x for x in rank0 if int(x[1].source.key.step_id) == 1]
+
+    def on_flush(queue_key, item):
+        raise OSError("disk full")
+
+    collector = make_collector()
+    consumer = Consumer(collector, on_flush=on_flush)
+    consumer.consume(*step1[0])  # ahead of its step: held
+    with pytest.raises(RunnerError, match="on_flush failed on queue 'default', step 0"):
+        for w, p in step0:
+            consumer.consume(w, p)
+    assert consumer.held == [] and len(consumer.undelivered) == 1
+    with pytest.raises(CollectorError, match="DUPLICATE"):  # it is in
+        collector.add(step1[0][1])

@@ -738,7 +738,7 @@ class RayRunner:
                 f"with its rank; got {type(env_fn).__name__} (a list of factories is "
                 "AsyncRunner's: give RayRunner e.g. lambda rank: factories[rank])"
             )
-        self.num_steps, self.step_id, self.stage_id = num_steps, step_id, stage_id
+        self.num_steps, self.step_id, self.stage_id = checked_num_steps(num_steps), step_id, stage_id
         self.seed, self.on_flush, self.output_queue = seed, on_flush, output_queue
         self.chunks_per_call, self.max_in_flight = chunks_per_call, max_in_flight
         self.max_restarts, self.stall_timeout_s = max_restarts, stall_timeout_s
@@ -846,8 +846,8 @@ class RayRunner:
         request = (method, args, kwargs, w.started)
         if not (w.direct and w.conn is not None):  # not serving a connection: a Ray call
             ref = w.actor.env_call.remote(*request)
-            try:
-                return ray.get(ref, timeout=self.stall_timeout_s)
+            try:  # (an actor starting, its env building, is not stalled)
+                return ray.get(ref, timeout=self.stall_timeout_s if w.started else None)
             except ray.exceptions.GetTimeoutError:
                 self._stalled_call(w, method)
             except Exception as exc:
@@ -874,7 +874,8 @@ class RayRunner:
     def _recv_call(self, w: _Rank, method: str) -> bytes:
         """The next answer on rank ``w``'s connection, for :meth:`call_env`: within
         ``stall_timeout_s``, where set."""
-        if self.stall_timeout_s is not None and not w.conn.poll(self.stall_timeout_s):
+        stall = self.stall_timeout_s if w.started else None  # (not while its env resets)
+        if stall is not None and not w.conn.poll(stall):
             self._stalled_call(w, method)
         return w.conn.recv_bytes()
 
@@ -981,8 +982,7 @@ class RayRunner:
                 w.progress_at = time.monotonic()
                 self._submit(w)
             stall_at = time.monotonic()
-            # (a rank restarting after its last chunk is restored before the run ends)
-            while any(w.n < w.total or w.pending or w.ping_at is not None for w in self._ranks):
+            while any(w.n < w.total for w in self._ranks):
                 if self._close_asked:
                     raise RunnerError("runner", None, RuntimeError(
                         "close() was called during run(): the run stopped, its actors shut "
@@ -1690,6 +1690,7 @@ class RayRunner:
                 except Exception:  # noqa: BLE001
                     break
         self._catch_up_quietly()
+        self._consumer.insert_held()
         self._draining = False
 
     def _catch_up_quietly(self) -> None:

@@ -718,40 +718,72 @@ class Consumer:
         self.delivered = 0
 
     def consume(self, worker: str, part: Any) -> None:
-        """Insert one half from ``worker``; deliver what it completed.
+        """Insert one half from ``worker``; deliver what it completed; insert the halves
+        held for the step it made current.
 
         Raises:
           RunnerError: the collector rejected the half (nothing changed); or a flushed
             item could not be delivered (worker ``"on_flush"`` / ``"output_queue"``: that
-            item and the rest of the flush are in :attr:`undelivered`, the half is in).
+            item and the rest of the flush are in :attr:`undelivered`; raised once the
+            half and the halves held for the next step are in).
         """
+        failed = self._add(worker, part)
+        if failed is not None:
+            raise failed
+
+    def _add(self, worker: str, part: Any) -> RunnerError | None:
+        """:meth:`consume`'s work: the first delivery error, returned once every half it
+        could insert is in. A rejected half, or a ``BaseException``, raises at once (the
+        halves not tried stay held)."""
         key = part.source.key
         try:
             current = self.collector.current_step(int(key.env_rank), int(key.stage_id))
             if int(key.step_id) > current:
                 self.held.append((worker, part))
-                return
+                return None
             items = self.collector.add(part)
         except CollectorError as exc:
             raise RunnerError(worker, key.as_tuple(), exc, self.delivered) from exc
+        failed = None
         for n, item in enumerate(items):
             try:
                 self.deliver(item)
             except BaseException as exc:
                 self.undelivered.extend(items[n:])
-                if isinstance(exc, Exception):
-                    sink = "on_flush" if self.on_flush is not None else "output_queue"
-                    raise RunnerError(sink, None, exc, self.delivered,
-                                      what=describe_item(item)) from exc
-                raise
+                if not isinstance(exc, Exception):
+                    raise
+                sink = "on_flush" if self.on_flush is not None else "output_queue"
+                failed = RunnerError(sink, None, exc, self.delivered, what=describe_item(item))
+                failed.__cause__ = exc
+                break
         if items and self.held:  # a step flushed: the halves held for the next go in
             held, self.held = self.held, []
             for n, (w, p) in enumerate(held):
                 try:
-                    self.consume(w, p)
+                    again = self._add(w, p)
                 except BaseException:
                     self.held.extend(held[n + 1 :])  # not lost: still held
                     raise
+                failed = failed or again
+        return failed
+
+    def insert_held(self) -> None:
+        """After a failure: insert the held halves whose step is current now (an
+        interrupted delivery can leave them held), whatever fails on the way (the run's
+        first failure is the one reported). Those of a step still ahead stay held."""
+        while True:
+            ready = [(w, p) for w, p in self.held if int(p.source.key.step_id)
+                     <= self.collector.current_step(int(p.source.key.env_rank),
+                                                    int(p.source.key.stage_id))]
+            if not ready:
+                return
+            taken = {id(p) for _, p in ready}
+            self.held = [(w, p) for w, p in self.held if id(p) not in taken]
+            for w, p in ready:
+                try:
+                    self._add(w, p)
+                except Exception:  # noqa: BLE001  (rejected: it changed nothing)
+                    continue
 
     def deliver(self, item: tuple[str, Any]) -> None:
         if self.on_flush is not None:

@@ -1103,6 +1103,7 @@ class AsyncRunner:
                 self._consumer.consume(worker, part)
             except Exception:  # noqa: BLE001  (the first failure is the one reported; the
                 continue  # parts behind it are healthy: a rejected part changed nothing)
+        self._consumer.insert_held()
 
     def _join(self, timeout_s: float = 10.0) -> None:
         deadline = time.monotonic() + timeout_s
