@@ -1132,6 +1132,13 @@ class EndOfRunDeathEnv(PointEnv):
         return out
 
 
+def assert_runs_equal(got, reference):
+    """The same (step, rank) trajectories, bit for bit."""
+    assert sorted(got) == sorted(reference)
+    for k in reference:
+        assert_same(got[k], reference[k])
+
+
 def _wait_restarted(actor, pid, within_s=60.0):
     """Until Ray's restart of ``actor`` (whose process was ``pid``) answers."""
     end = time.monotonic() + within_s
@@ -1165,9 +1172,7 @@ def test_an_actor_restarted_between_runs_is_restored_before_it_steps(
                 runner.call_env(1, "get_state")
         got.update(by_source(runner.run()))
         assert runner.restarts == 1
-    assert sorted(got) == sorted(reference)
-    for k in reference:
-        assert_same(got[k], reference[k])
+    assert_runs_equal(got, reference)
 
 
 @pytest.mark.parametrize("transport", ["ray", "direct"])
@@ -1185,9 +1190,7 @@ def test_an_actor_that_dies_while_its_rank_waits_for_inference_redoes_nothing_st
         got = by_source(runner.run())
         assert runner.restarts == 1
     assert os.path.exists(marker)
-    assert sorted(got) == sorted(reference)
-    for k in reference:
-        assert_same(got[k], reference[k])
+    assert_runs_equal(got, reference)
 
 
 def test_a_rank_restarting_as_a_run_ends_goes_on_right_in_the_next(ray_instance, tmp_path):
@@ -1217,9 +1220,7 @@ def test_a_rank_restarting_as_a_run_ends_goes_on_right_in_the_next(ray_instance,
         stop.set()
         got.update(by_source(runner.run()))
         assert runner.restarts == 1
-    assert sorted(got) == sorted(reference)
-    for k in reference:
-        assert_same(got[k], reference[k])
+    assert_runs_equal(got, reference)
 
 
 @pytest.mark.parametrize("transport", ["ray", "direct"])

@@ -115,6 +115,7 @@ from jaxtraj.runners.service import (
     EnvStep,
     ObservationCheck,
     PolicyFn,
+    RunGuard,
     RunnerError,
     StepRngs,
     ValueFn,
@@ -761,7 +762,7 @@ class RayRunner:
         self._ranks = [_Rank(i, r) for i, r in enumerate(self.env_ranks)]
         self._consumer = Consumer(collector, on_flush, output_queue)
         self._draining = False
-        self._running = False  # a run() is under way (another is refused)
+        self._one_run = RunGuard()  # a run() inside a run is refused
         self._close_asked = False  # close() called during a run: the run stops, then closes
         self._replay_warned = False
         self.restarts = 0  # worker restarts handled over this runner's life
@@ -904,8 +905,8 @@ class RayRunner:
         """Shut every env actor down (Ray does not restart them). Called during a
         :meth:`run` (from ``on_flush``, or another thread), it stops the run, which
         raises :class:`RunnerError` and then shuts them down."""
-        with self._lock:
-            if self._running:
+        with self._one_run.lock:
+            if self._one_run.running:
                 self._close_asked = True
                 return
         for w in self._ranks:
@@ -945,18 +946,11 @@ class RayRunner:
             every actor is shut down first; what was collected stays in the collector.
         """
         n = self.num_steps if num_steps is None else checked_num_steps(num_steps)
-        with self._lock:
-            if self._running:
-                raise RuntimeError(
-                    "run() is already running (called from on_flush, policy_fn or another "
-                    "thread): a runner runs one run() at a time"
-                )
-            self._running, self._close_asked = True, False
         try:
-            return self._run(n)
+            with self._one_run:
+                self._close_asked = False
+                return self._run(n)
         finally:
-            with self._lock:
-                self._running = False
             if self._close_asked:  # close() was called during the run: done now
                 self.close()
 

@@ -29,6 +29,7 @@ import math
 import numbers
 import queue
 import re
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -534,6 +535,30 @@ def checked_batch_wait(value: Any, auto: bool) -> float | str:
         choices = "'auto' or a finite" if auto else "a finite"
         raise ValueError(f"batch_wait_s must be {choices} number of seconds >= 0, got {value!r}")
     return float(value)
+
+
+class RunGuard:
+    """One ``run()`` at a time: entering while a run is under way (a ``run()`` from
+    ``on_flush``, ``policy_fn`` or another thread) raises ``RuntimeError``. ``lock``
+    also guards what a runner decides on whether a run is under way (``running``)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.running = False
+
+    def __enter__(self) -> RunGuard:
+        with self.lock:
+            if self.running:
+                raise RuntimeError(
+                    "run() is already running (called from on_flush, policy_fn or another "
+                    "thread): a runner runs one run() at a time"
+                )
+            self.running = True
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        with self.lock:
+            self.running = False
 
 
 def checked_env_step(out: Any) -> EnvStep:

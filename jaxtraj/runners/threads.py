@@ -78,6 +78,7 @@ from jaxtraj.runners.service import (  # noqa: F401  (re-exported: the public na
     EnvStep,
     ObservationCheck,
     PolicyFn,
+    RunGuard,
     RunnerError,
     StepRngs,
     ValueFn,
@@ -328,7 +329,7 @@ class AsyncRunner:
         self._rng_steps = StepRngs(self.plan, seed, self.env_ranks, stage_id)
         self.calls = 0  # policy_fn calls of the last run
         self._broken: str | None = None  # the failure that ended the last run, if any
-        self._running = False  # a run() is under way (another is refused)
+        self._one_run = RunGuard()  # a run() inside a run is refused
 
     # -- public ----------------------------------------------------------------------
 
@@ -378,18 +379,8 @@ class AsyncRunner:
             mid-step): a later call raises ``RuntimeError`` saying so.
         """
         n = self.num_steps if num_steps is None else checked_num_steps(num_steps)
-        with self._lock:
-            if self._running:
-                raise RuntimeError(
-                    "run() is already running (called from on_flush, policy_fn or another "
-                    "thread): a runner runs one run() at a time"
-                )
-            self._running = True
-        try:
+        with self._one_run:
             return self._run(n)
-        finally:
-            with self._lock:
-                self._running = False
 
     def _run(self, n: int) -> list[tuple[str, Any]]:
         if self._broken is not None:
