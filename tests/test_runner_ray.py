@@ -1303,7 +1303,9 @@ def test_close_or_run_during_a_run_stops_it_named(ray_instance):
     def closing(_, tr):
         runner.close()
 
-    runner = ray_runner(make_collector(), num_steps=1, transport="ray", on_flush=closing)
+    # (two steps: step 0's flushes come with chunks still to run; a close asked in a
+    # run's last flush ends it normally, then closes)
+    runner = ray_runner(make_collector(), num_steps=2, transport="ray", on_flush=closing)
     with pytest.raises(RunnerError, match=r"close\(\) was called during run\(\)"):
         runner.run()
     assert all(w.actor is None for w in runner._ranks)

@@ -904,7 +904,9 @@ class RayRunner:
     def close(self) -> None:
         """Shut every env actor down (Ray does not restart them). Called during a
         :meth:`run` (from ``on_flush``, or another thread), it stops the run, which
-        raises :class:`RunnerError` and then shuts them down."""
+        raises :class:`RunnerError` and then shuts them down; a run whose chunks are all
+        in by then ends as usual (its items returned or delivered), then shuts them
+        down."""
         with self._one_run.lock:
             if self._one_run.running:
                 self._close_asked = True
