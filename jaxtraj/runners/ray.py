@@ -124,6 +124,7 @@ from jaxtraj.runners.service import (
     check_env_ranks,
     check_run_start,
     checked_batch_wait,
+    checked_env_step,
     checked_num_steps,
     chunk_keys,
     complete_env_part,
@@ -292,8 +293,7 @@ class EnvWorker:
         learner keeps)."""
         self._check_restored()
         out, share = self._metered_step(key, actions)
-        if not isinstance(out, EnvStep):
-            raise TypeError(f"env.step must return an EnvStep, got {type(out).__name__}")
+        checked_env_step(out)
         self.obs, self.prev = out.obs, out.transition
         # Not the info kept per action: no runner reads it (nor pays for its bytes).
         return None, replace(out, info=None), self._snapshot(), share
@@ -1220,7 +1220,7 @@ class RayRunner:
         if actions is None:  # checked first
             for w, key, part in zip(batch, keys, parts):  # the actors step while we insert
                 self._step(w, key, part.output.actions)
-        self._insert_all([(None, part) for part in parts])
+        self._consumer.consume_all([("policy_worker", part) for part in parts])
 
     def _step(self, w: _Rank, key: TrajectoryKey, actions: Any) -> None:
         """Rank ``w``'s actor executes chunk ``key``'s ``actions`` (kept for a restart's
@@ -1302,7 +1302,7 @@ class RayRunner:
                 self._checked_obs(w, policy.obs)
             done = [(p.source.key.as_tuple(), np.array(p.output.actions)) for p, _ in pairs]
             try:
-                self._insert_all([(w, p) for pair in pairs for p in pair])
+                self._consumer.consume_all([(self._worker(w, p), p) for pair in pairs for p in pair])
             finally:  # (a flushed item not delivered: the halves are in all the same)
                 self._advance(w, done, pairs[-1][1].transition, snapshot)
         self._submit(w)
@@ -1345,28 +1345,12 @@ class RayRunner:
                 )
         w.failures = 0  # "keeps failing": failures without progress in between
 
-    def _insert_all(self, parts: list[tuple[_Rank | None, Any]]) -> None:
-        """Insert every ``(rank, half)`` (rank ``None``: the learner's policy half); a
-        flushed item that cannot be delivered fails the run once all are in."""
-        failed = None
-        for w, part in parts:
-            try:
-                if w is None:
-                    self._consumer.consume("policy_worker", part)
-                else:
-                    self._insert(w, part)
-            except RunnerError as exc:
-                if exc.worker not in ("on_flush", "output_queue"):
-                    raise
-                failed = failed or exc
-        if failed is not None:
-            raise failed
+    def _worker(self, w: _Rank, part: Any) -> str:
+        """Who made ``part`` of rank ``w``: the learner's policy worker or the rank."""
+        return "policy_worker" if isinstance(part, PolicyPart) and self.policy == "learner" else w.name
 
     def _insert(self, w: _Rank, part: Any) -> None:
-        worker = (
-            "policy_worker" if isinstance(part, PolicyPart) and self.policy == "learner" else w.name
-        )
-        self._consumer.consume(worker, part)
+        self._consumer.consume(self._worker(w, part), part)
 
     def _checked_obs(self, w: _Rank, obs: PyTree) -> None:
         try:
@@ -1680,7 +1664,7 @@ class RayRunner:
                         break
                     self._receive(w, _fetch(ready)[0])
                 except RunnerError as exc:  # a flushed item not delivered: its half is in,
-                    if exc.worker in ("on_flush", "output_queue"):  # the next may go on
+                    if exc.delivery:  # the next may go on
                         continue
                     break  # the first failure is the one reported
                 except Exception:  # noqa: BLE001

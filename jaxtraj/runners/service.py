@@ -83,6 +83,11 @@ class RunnerError(RuntimeError):
                     "error's `undelivered`)")
         super().__init__(msg)
 
+    @property
+    def delivery(self) -> bool:
+        """Whether it is a flushed item not delivered (the half that flushed it is in)."""
+        return self.worker in ("on_flush", "output_queue")
+
 
 _COLOUR = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -530,8 +535,7 @@ def checked_batch_wait(value: Any, auto: bool) -> float | str:
             "batch_wait_s='auto' is the threaded runners' (their envs report their CPU "
             "share; Ray's actors do not): give a number of seconds"
         )
-    if (isinstance(value, bool) or not isinstance(value, numbers.Real)
-            or not math.isfinite(value) or value < 0):
+    if not _is_seconds(value):
         choices = "'auto' or a finite" if auto else "a finite"
         raise ValueError(f"batch_wait_s must be {choices} number of seconds >= 0, got {value!r}")
     return float(value)
@@ -606,10 +610,15 @@ def checked_seconds(name: str, value: Any) -> float:
     Raises:
       ValueError: anything else (a bool, NaN, infinity, a string), naming ``name``.
     """
-    if (isinstance(value, bool) or not isinstance(value, numbers.Real)
-            or not math.isfinite(value) or value < 0):
+    if not _is_seconds(value):
         raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
     return float(value)
+
+
+def _is_seconds(value: Any) -> bool:
+    """A finite real number >= 0 (not a bool)."""
+    return (not isinstance(value, bool) and isinstance(value, numbers.Real)
+            and math.isfinite(value) and value >= 0)
 
 
 def checked_num_steps(value: Any) -> int:
@@ -753,6 +762,24 @@ class Consumer:
             half and the halves held for the next step are in).
         """
         failed = self._add(worker, part)
+        if failed is not None:
+            raise failed
+
+    def consume_all(self, parts: Sequence[tuple[str, Any]]) -> None:
+        """:meth:`consume` each ``(worker, half)``; a flushed item not delivered fails
+        once every half is in (the first such error is raised).
+
+        Raises:
+          RunnerError: as :meth:`consume` (a rejected half at once, the rest not tried).
+        """
+        failed = None
+        for worker, part in parts:
+            try:
+                self.consume(worker, part)
+            except RunnerError as exc:
+                if not exc.delivery:
+                    raise
+                failed = failed or exc
         if failed is not None:
             raise failed
 
