@@ -4,12 +4,14 @@ hangs, and the error names what was wrong (from a review of the runners)."""
 from __future__ import annotations
 
 import functools
+import pathlib
 import queue
 import threading
+import time
 
 import numpy as np
 import pytest
-from test_runners_threads import PARAMS, RANKS, PointEnv, make_collector, policy_fn
+from test_runners_threads import PARAMS, RANKS, PointEnv, make_collector, policy_fn, value_fn
 
 from jaxtraj import CollectorError
 from jaxtraj.runners.service import Consumer
@@ -240,3 +242,71 @@ def test_halves_held_for_the_next_step_go_in_when_the_flush_before_fails():
     assert consumer.held == [] and len(consumer.undelivered) == 1
     with pytest.raises(CollectorError, match="DUPLICATE"):  # it is in
         collector.add(step1[0][1])
+
+
+class LoggingEnv(PointEnv):
+    """Records each chunk it executed (a file named by its key in ``folder``: seen from
+    the test whether the env ran in a thread or a process of its own)."""
+
+    def __init__(self, rank, folder):
+        super().__init__(rank, critic=False)  # terminal inference on the policy side
+        self.folder = folder
+
+    def step(self, key, actions):
+        out = super().step(key, actions)
+        pathlib.Path(self.folder, "_".join(map(str, key.as_tuple()))).touch()
+        return out
+
+
+def executed_chunks_without_env_half(folder, collector):
+    ran = {tuple(int(x) for x in p.name.split("_")) for p in pathlib.Path(folder).iterdir()}
+    assert ran  # something ran before the failure
+    missing = {(k, half) for k, half, *_ in collector.missing()}
+    return sorted(k for k in ran if (k, "env") in missing)
+
+
+@pytest.mark.parametrize("workers", ["thread", "process"])
+@pytest.mark.parametrize("cls", [AsyncRunner, DecoupledRunner])
+def test_a_failed_run_keeps_the_env_half_of_every_chunk_an_env_executed(tmp_path, cls, workers):
+    """A policy call that fails while an executed chunk's env half waits for terminal
+    inference (in the requests with threads, in its pipe with processes): the half is
+    completed and collected all the same (from a review: 1 of 4 halves lost before)."""
+    folder, calls = str(tmp_path), []
+
+    def second_call_fails(params, obs, rng):
+        calls.append(1)
+        if len(calls) == 2:
+            deadline = time.monotonic() + 60
+            while not any(pathlib.Path(folder).iterdir()) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.3)  # that chunk's result is on its way to the policy side
+            raise RuntimeError("policy crashed")
+        return policy_fn(params, obs, rng)
+
+    collector = make_collector()
+    envs = [functools.partial(LoggingEnv, r, folder) for r in range(RANKS)]
+    with cls(collector, envs, second_call_fails, PARAMS, value_fn=value_fn, max_batch=1,
+             batch_wait_s=0.0, env_workers=workers) as runner:
+        with pytest.raises(RunnerError, match="policy crashed") as info:
+            runner.run()
+    assert info.value.worker == "policy_worker"
+    assert executed_chunks_without_env_half(folder, collector) == []
+
+
+@pytest.mark.parametrize("workers", ["thread", "process"])
+@pytest.mark.parametrize("cls", [AsyncRunner, DecoupledRunner])
+def test_a_failing_on_flush_loses_no_env_half_made_as_the_run_stops(tmp_path, cls, workers):
+    """The halves the env workers make as the run stops go in (the drain takes them);
+    before, most such runs lost some."""
+    folder = str(tmp_path)
+
+    def on_flush(queue_key, item):
+        raise RuntimeError("on_flush failed")
+
+    collector = make_collector()
+    envs = [functools.partial(LoggingEnv, r, folder) for r in range(RANKS)]
+    with cls(collector, envs, policy_fn, PARAMS, value_fn=value_fn, on_flush=on_flush,
+             env_workers=workers, num_steps=3) as runner:
+        with pytest.raises(RunnerError, match="on_flush failed"):
+            runner.run()
+    assert executed_chunks_without_env_half(folder, collector) == []

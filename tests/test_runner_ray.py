@@ -1369,3 +1369,50 @@ def test_a_replayed_rank_keeps_its_record_in_place_and_warns_when_long(
 
 def _no_snapshots(rank):
     return PointEnv(rank, snapshots=False)
+
+
+class LoggingEnv(PointEnv):
+    """Records each chunk it executed (a file named by its key in ``folder``); rank 1's
+    steps take ``slow_s``, so its chunk is in flight when rank 0's next call is made."""
+
+    def __init__(self, rank, folder, slow_s=0.0):
+        super().__init__(rank, snapshots=False, critic=False)
+        self.folder, self.slow_s = folder, slow_s
+
+    def step(self, key, actions):
+        if self.rank == 1:
+            pathlib.Path(self.folder, "stepping").touch()
+            time.sleep(self.slow_s)
+        out = super().step(key, actions)
+        pathlib.Path(self.folder, "_".join(map(str, key.as_tuple()))).touch()
+        return out
+
+
+@pytest.mark.parametrize("transport", ["ray", "direct"])
+def test_a_failed_run_keeps_the_env_half_of_a_chunk_in_flight(ray_instance, tmp_path, transport):
+    """A policy call that fails while another rank's chunk is executing: that chunk's
+    result is awaited (bounded) and its env half collected, as the threaded runners do."""
+    folder = str(tmp_path)
+
+    def fails_while_rank_1_steps(params, obs, rng):  # rank 0 asks again meanwhile
+        if pathlib.Path(folder, "stepping").exists():
+            raise RuntimeError("policy crashed")
+        return policy_fn(params, obs, rng)
+
+    collector = make_collector()
+    env_fn = functools.partial(LoggingEnv, folder=folder, slow_s=1.0)
+    with RayRunnerOf(collector, env_fn, fails_while_rank_1_steps, max_batch=1,
+                     batch_wait_s=0.0, value_fn=value_fn, transport=transport) as runner:
+        with pytest.raises(RunnerError, match="policy crashed"):
+            runner.run()
+    ran = {tuple(int(x) for x in p.name.split("_")) for p in pathlib.Path(folder).iterdir()
+           if p.name != "stepping"}
+    assert (0, 0, 1, 0, 0) in ran  # rank 1's first chunk ran (it was in flight)
+    missing = {(k, half) for k, half, *_ in collector.missing()}
+    assert sorted(k for k in ran if (k, "env") in missing) == []
+
+
+def RayRunnerOf(collector, env_fn, policy, **kw):
+    from jaxtraj.runners.ray import RayRunner
+
+    return RayRunner(collector, env_fn, policy, PARAMS, seed=SEED, **kw)

@@ -1646,20 +1646,26 @@ class RayRunner:
             cause = CollectorError(key, ErrorCode.SOURCE_TIMEOUT, f"{len(lost)} halves lost")
             raise RunnerError(f"env_worker_{key[2]}", key, cause, self.delivered)
 
-    def _drain(self) -> None:
-        """After a failure: insert the results that already came back, in order."""
+    def _drain(self, in_flight_s: float = 10.0) -> None:
+        """After a failure: insert the results that already came back, in order, and
+        those of the chunks the actors are executing as they come (for up to
+        ``in_flight_s`` in all, as the threaded runners join their workers), so that a
+        chunk an env executed keeps its env half."""
         self._draining = True
         self._catch_up_quietly()
+        deadline = time.monotonic() + in_flight_s
         for w in self._ranks:
             while w.pending:
-                head = w.pending[0][1]
+                kind, head = w.pending[0][0], w.pending[0][1]
+                # a chunk executing is waited for; anything else only taken if it is in
+                left = max(0.0, deadline - time.monotonic()) if kind in ("step", "run") else 0.0
                 try:
                     if head is _DIRECT:  # (answers call_env read ahead are in too)
-                        if not w.early and (w.conn is None or not w.conn.poll(0)):
+                        if not w.early and (w.conn is None or not w.conn.poll(left)):
                             break
                         self._receive_direct(w)
                         continue
-                    ready, _ = ray.wait([head], timeout=0)
+                    ready, _ = ray.wait([head], timeout=left)
                     if not ready:
                         break
                     self._receive(w, _fetch(ready)[0])

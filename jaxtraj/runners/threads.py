@@ -570,7 +570,9 @@ class AsyncRunner:
 
     def _put(self, q: queue.Queue, item: Any, name: str, env: int | None = None) -> None:
         """Put ``item`` on ``q``, waiting while it is full; ``env``: the index of the env
-        whose worker waits, which meanwhile serves the calls handed to it."""
+        whose worker waits, which meanwhile serves the calls handed to it. Once the run
+        stops, it is put only where there is room at once (an env half made as another
+        worker failed: the drain takes it from there)."""
         while not self._stop.is_set():
             try:
                 q.put(item, timeout=_POLL_S)
@@ -582,6 +584,10 @@ class AsyncRunner:
             if size > self.max_qsize[name]:
                 self.max_qsize[name] = size
             return
+        try:
+            q.put_nowait(item)
+        except queue.Full:
+            pass
         raise _Stopped
 
     def _get(self, q: queue.Queue) -> Any:
@@ -1054,18 +1060,47 @@ class AsyncRunner:
                 if not got and behind:
                     piece()
 
+        def in_flight(timeout_s: float) -> None:
+            """After a failure: the steps the env processes are executing, received as
+            they finish (for up to ``timeout_s``, as the thread workers are joined), so
+            that the chunks they executed keep their env halves. An env whose result
+            cannot be received (it raised, or its process ended) is left."""
+            deadline = time.monotonic() + timeout_s
+            while any(k is not None for k in stepping):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                early = [i for i, env in enumerate(self.envs) if env.received_early]
+                for i in early or wait(min(left, _POLL_S)):
+                    env, key = self.envs[i], stepping[i]
+                    if key is None:
+                        continue
+                    try:
+                        if not env.ready():
+                            continue
+                        stepping[i] = None
+                        out = checked_env_step(env.receive())
+                        self._check_obs(out.obs, key)
+                    except Exception:  # noqa: BLE001  (the run's failure is the one reported)
+                        stepping[i] = None
+                        continue
+                    halves.append((i, key, out, self._carry[i][1]))
+                    self._carry[i] = (out.obs, out.transition)
+
         try:
             serve()
-        except BaseException:
-            # The chunks already received are collected: their env halves are made for
-            # the drain to insert (up to the first that cannot be; that failure is not
-            # the one reported, nor the key it was at).
+        except BaseException as exc:
+            # The chunks the envs executed are collected: those in flight received, and
+            # the env halves of all made for the drain to insert (each that can be; a
+            # failure making one is not the one reported, nor the key it was at).
             failed_at = ctx["key"]
-            try:
-                while halves:
+            if not isinstance(exc, KeyboardInterrupt):
+                in_flight(10.0)
+            while halves:
+                try:
                     env_half()
-            except Exception:  # noqa: BLE001
-                pass
+                except Exception:  # noqa: BLE001
+                    continue
             ctx["key"] = failed_at
             raise
         while halves:
@@ -1089,6 +1124,25 @@ class AsyncRunner:
                 break
             pairs = part if worker is None else [(worker, part)]
             held += [(0.0, len(held), w, p) for w, p in pairs]
+        # Env halves of chunks the envs executed, still waiting in the requests for the
+        # policy side's terminal inference: completed here (one whose value_fn fails
+        # is lost with the run; the others are not).
+        while True:
+            try:
+                pending = self._requests.get_nowait()[3]
+            except queue.Empty:
+                break
+            if pending is None:
+                continue
+            worker, out, part = pending
+            with self._lock:
+                params = self._params
+            try:
+                done = complete_env_part(self.plan, self._layout, part, out, self.value_fn,
+                                         params)
+            except Exception:  # noqa: BLE001  (the run's failure is the one reported)
+                continue
+            held.append((0.0, len(held), worker, done))
         for _, _, worker, part in held:
             try:
                 self._consumer.consume(worker, part)
