@@ -842,3 +842,21 @@ def test_runner_over_an_adapter_with_terminal_inference_equals_the_reference(
         if runner_name == "AsyncRunner":
             np.testing.assert_allclose(values[:T], value(obs_ref[at]), rtol=1e-6)
         np.testing.assert_allclose(values[T], v_final[(s + 1) * T - 1], rtol=1e-6)
+
+
+def test_envpool_make_is_a_factory_runners_can_pickle(envpool):
+    """EnvPoolEnv.make builds the pool where it is called: the chunks equal a pool built
+    by hand with the same seed, and a partial of it pickles, as an env process needs (a
+    pool itself does not)."""
+    import functools
+    import pickle
+
+    actions = hopper_actions(batch=2)
+    made = EnvPoolEnv.make("Hopper-v4", 2, actions_per_chunk=K, seed=SEED, chunk_end=MODE)
+    pool = envpool.make("Hopper-v4", env_type="gymnasium", num_envs=2, seed=SEED)
+    by_hand = EnvPoolEnv(pool, actions_per_chunk=K, chunk_end=MODE)
+    for a, b in zip(run_chunks(made, actions)[1], run_chunks(by_hand, actions)[1]):
+        assert_same_steps(a, b)
+    factory = functools.partial(EnvPoolEnv.make, "Hopper-v4", 2, actions_per_chunk=K, seed=SEED,
+                                chunk_end=MODE)
+    assert pickle.loads(pickle.dumps(factory))().spec() == made.spec()

@@ -33,5 +33,8 @@ def test_a_factory_built_env_renders_the_main_threads_frames_through_the_runner(
     for built in (factory, out["process"]):
         assert built["mean"] > 0.5 * out["main_mean"], out
         assert built["mad"] <= 3 * out["main_mad"] + 0.5, out
+        # runner.envs[0].render() from the main thread: B frames of SIDE x SIDE, not black
+        n, h, w, c, mean = built["render"]
+        assert (n, h, w, c) == (2, 48, 48, 3) and mean > 0.5 * out["main_mean"], out
     # What a user got before: built in the main thread, rendered from a worker thread.
     assert out["built_in_main"]["mean"] < factory["mean"], out

@@ -9,9 +9,10 @@ import queue
 import threading
 import time
 
+import jax
 import numpy as np
 import pytest
-from test_runners_threads import PARAMS, RANKS, PointEnv, make_collector, policy_fn, value_fn
+from test_runners_threads import PARAMS, RANKS, B, PointEnv, make_collector, policy_fn, value_fn
 
 from jaxtraj import CollectorError
 from jaxtraj.runners.service import Consumer
@@ -310,3 +311,43 @@ def test_a_failing_on_flush_loses_no_env_half_made_as_the_run_stops(tmp_path, cl
         with pytest.raises(RunnerError, match="on_flush failed"):
             runner.run()
     assert executed_chunks_without_env_half(folder, collector) == []
+
+
+def nan_row_5(params, obs, rng):
+    """A NaN action in row 5 of the call; before, the env that stepped it had its NaN
+    rewards refused, blamed for them."""
+    out = policy_fn(params, obs, rng)
+    return out.replace(actions=_nan_at(out.actions, 5))
+
+
+def _nan_at(actions, row):
+    actions = np.array(actions)
+    actions[row, 0, 0] = np.nan
+    return actions
+
+
+def per_rank_policy(params, obs, rng):
+    """Written for one rank's B rows: the first B of whatever it is given."""
+    out = policy_fn(params, obs, rng)
+    return jax.tree.map(lambda x: x[:B], out)
+
+
+@pytest.mark.parametrize("workers", ["thread", "process"])
+@pytest.mark.parametrize("bad, match", [
+    (per_rank_policy, r"policy_fn was given 8 rows .* returned PolicyOutput\.actions of shape "
+                      r"\(4, \d+, \d+\)"),
+    (lambda p, o, r: (policy_fn(p, o, r).actions, None),
+     r"policy_fn returned a tuple: it must return a jaxtraj\.PolicyOutput"),
+    (nan_row_5, r"policy_fn returned non-finite actions \(rows \[5\] of 8: nan\); none "
+                r"reached an env"),
+])
+def test_a_policy_output_of_the_wrong_kind_or_rows_is_named_on_every_call(workers, bad, match):
+    """Every call, however many ranks it served (it always has max_batch * B rows): a
+    per-rank policy failed only when two ranks shared a call, and then as one rank's
+    slice coming out short (from a newcomer's trial)."""
+    envs = [functools.partial(PointEnv, r) for r in range(RANKS)]
+    with AsyncRunner(make_collector(), envs, bad, PARAMS, env_workers=workers,
+                     batch_wait_s=0.0) as runner:
+        with pytest.raises(RunnerError, match=match) as info:
+            runner.run()
+    assert info.value.worker == "policy_worker" and info.value.key[-1] == 0  # the first call

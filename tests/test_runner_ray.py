@@ -1416,3 +1416,47 @@ def RayRunnerOf(collector, env_fn, policy, **kw):
     from jaxtraj.runners.ray import RayRunner
 
     return RayRunner(collector, env_fn, policy, PARAMS, seed=SEED, **kw)
+
+
+class SeededEnv(PointEnv):
+    """Says which seeds it gives its sub-environments, as GymnasiumEnv does."""
+
+    def __init__(self, rank, seed_of):
+        super().__init__(rank, snapshots=False)
+        self.seed, self.num_envs = seed_of(rank), B
+
+
+def test_ranks_seeded_alike_are_refused_unless_allowed(ray_instance):
+    """As AsyncRunner: a factory that forgets the rank (every rank seed 7) is refused
+    before any chunk is stepped; allow_shared_seeds=True lets it run; seeds B apart run."""
+    same = functools.partial(SeededEnv, seed_of=lambda rank: 7)
+    calls = []
+
+    def counted(params, obs, rng):
+        calls.append(1)
+        return policy_fn(params, obs, rng)
+
+    runner = RayRunnerOf(make_collector(), same, counted)
+    with pytest.raises(ValueError, match=r"env ranks 0 and 1 both seed a sub-environment "
+                       r"with 7.*allow_shared_seeds=True"):
+        runner.run()
+    assert calls == []  # refused before any chunk's inference
+    with RayRunnerOf(make_collector(), same, policy_fn, allow_shared_seeds=True) as runner:
+        assert len(runner.run()) == RANKS
+    apart = functools.partial(SeededEnv, seed_of=lambda rank: 1000 * rank)
+    with RayRunnerOf(make_collector(), apart, policy_fn) as runner:
+        assert len(runner.run()) == RANKS
+
+
+def _first_rows(params, obs, rng):
+    """A policy written for one rank's B rows: the first B of whatever it is given."""
+    return jax.tree.map(lambda x: x[:B], policy_fn(params, obs, rng))
+
+
+def test_a_policy_returning_too_few_rows_is_named_by_the_learner(ray_instance):
+    with RayRunnerOf(make_collector(), PointEnv, _first_rows, transport="ray",
+                     num_steps=1) as runner:
+        with pytest.raises(RunnerError, match=rf"policy_fn was given {RANKS * B} rows .* "
+                           rf"PolicyOutput\.actions of shape \({B}, {K}, {A}\)") as info:
+            runner.run()
+    assert info.value.worker == "policy_worker"

@@ -123,6 +123,38 @@ class EnvPoolEnv(ChunkEnv):
         if policy_example is not None:
             self.check_against(policy_example)
 
+    @classmethod
+    def make(
+        cls,
+        task_id: str,
+        num_envs: int,
+        *,
+        actions_per_chunk: int,
+        seed: int = 0,
+        make_kwargs: dict | None = None,
+        **kwargs: Any,
+    ) -> EnvPoolEnv:
+        """``EnvPoolEnv(envpool.make(task_id, env_type="gymnasium", num_envs=num_envs,
+        seed=seed, **make_kwargs), actions_per_chunk=..., **kwargs)``: a factory a runner
+        can call in the thread or process that steps it (picklable as
+        ``functools.partial(EnvPoolEnv.make, "HalfCheetah-v4", 16, actions_per_chunk=4,
+        seed=1000 * rank)``; a pool itself does not pickle).
+
+        Args:
+          task_id: an EnvPool task (``"HalfCheetah-v4"``).
+          num_envs: ``B``.
+          actions_per_chunk: ``K``.
+          seed: EnvPool seeds env ``i`` with ``seed + i``: give rank ``r`` e.g.
+            ``1000 * r``.
+          make_kwargs: keyword arguments of ``envpool.make`` (``num_threads``,
+            ``render_mode``, task options, ...).
+          **kwargs: the adapter's (``chunk_end``, ``info_keys``, ...).
+        """
+        envpool = require("envpool", "envpool", "jaxtraj.envs.EnvPoolEnv.make")
+        pool = envpool.make(task_id, env_type="gymnasium", num_envs=num_envs, seed=seed,
+                            **(make_kwargs or {}))
+        return cls(pool, actions_per_chunk=actions_per_chunk, **kwargs)
+
     def _rows(self, info: dict, want: np.ndarray, what: str) -> None:
         ids = np.asarray(info["env_id"])
         if not np.array_equal(ids, want):
@@ -170,6 +202,18 @@ class EnvPoolEnv(ChunkEnv):
         fresh, info = self.pool.reset(rows)
         self._rows(info, rows, "reset")
         return self._convert(fresh)
+
+    def render(self, *args: Any, **kwargs: Any) -> Any:
+        """The pool's ``render(env_ids=None, camera_id=None)``, where the pool has one
+        (made with ``render_mode="rgb_array"``): frames ``[n, H, W, 3]``. Through a
+        runner call ``runner.envs[r].render()``: it runs where the pool was built."""
+        render = getattr(self.pool, "render", None)
+        if not callable(render):
+            raise AttributeError(
+                f"this EnvPool pool ({type(self.pool).__name__}) has no render(): make it "
+                "with render_mode='rgb_array' on an EnvPool that renders"
+            )
+        return render(*args, **kwargs)
 
     def close(self) -> None:
         """Close the pool (EnvPool pools have no close; the reference is dropped)."""

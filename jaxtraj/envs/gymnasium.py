@@ -345,6 +345,13 @@ class GymnasiumEnv(ChunkEnv):
         raw, _ = self.env.reset(options={"reset_mask": mask})
         return jax.tree.map(lambda x: x[rows], self._convert(raw))
 
+    def render(self) -> Any:
+        """The vector env's ``render()``: with ``render_mode="rgb_array"``, a tuple of each
+        sub-environment's frame. Through a runner call ``runner.envs[r].render()``
+        (``RayRunner.call_env(r, "render")``): it runs where the env was built, as a
+        MuJoCo camera needs."""
+        return self.env.render()
+
     def close(self) -> None:
         """Close the vector env."""
         self.env.close()

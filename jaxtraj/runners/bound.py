@@ -762,8 +762,10 @@ class ProcessBoundEnv(_Bound):
             raise TypeError(
                 f"{self.name}: the env factory {factory!r} cannot be sent to the env's process "
                 f"({type(exc).__name__}: {exc}): give a module-level function, a class "
-                "instance or a functools.partial of one (or install cloudpickle for lambdas "
-                "and closures), or use thread workers"
+                "instance or a functools.partial of one, whose arguments pickle too (not a "
+                "built env or pool: let the factory build it, e.g. GymnasiumEnv.make, "
+                "EnvPoolEnv.make; cloudpickle, where installed, also takes lambdas and "
+                "closures), or use thread workers"
             ) from exc
 
     def _receive(self) -> Any:

@@ -123,9 +123,11 @@ from jaxtraj.runners.service import (
     action_spec,
     check_env_ranks,
     check_run_start,
+    check_seeds,
     checked_batch_wait,
     checked_env_step,
     checked_num_steps,
+    checked_policy_output,
     chunk_keys,
     complete_env_part,
     env_part,
@@ -134,6 +136,7 @@ from jaxtraj.runners.service import (
     sendable_actions,
     split_rows,
     stamp_versions,
+    sub_env_seeds,
 )
 from jaxtraj.types import PolicyPart, TrajectoryKey, TrajectorySource
 
@@ -228,6 +231,11 @@ class EnvWorker:
     def pid(self) -> int:
         return os.getpid()
 
+    def sub_env_seeds(self) -> list[int] | None:
+        """The seeds this actor's env gives its sub-environments, where it says
+        (:func:`~jaxtraj.runners.service.sub_env_seeds`)."""
+        return sub_env_seeds(self.env)
+
     def env_call(self, method: str, args: tuple, kwargs: dict, started: bool = False) -> Any:
         """``env.<method>(*args, **kwargs)`` here (:meth:`RayRunner.call_env`);
         ``started``: the learner reset this rank's env (an actor restarted since then
@@ -274,7 +282,8 @@ class EnvWorker:
         bsz = self.plan.batch_size
         for k, rng in zip(keys, rngs):
             key = TrajectoryKey(*k)
-            output = self.policy_fn(params, self.obs, rng)
+            output = checked_policy_output(self.policy_fn(params, self.obs, rng), bsz,
+                                           self.plan.nonfinite == "reject")
             output = stamp_versions(output, version, self.stamp)
             policy = PolicyPart(TrajectorySource(key, bsz, 0), self.obs, output)
             step = self.env.step(key, output.actions)
@@ -549,6 +558,8 @@ class _Rank:
     # transport="direct": answers to its requests that call_env read off the connection
     # ahead of its own (in order; the loop takes them before the connection's)
     early: deque = field(default_factory=deque)
+    # its actor's answer to which seeds its env gives its sub-envs, until checked
+    seeds_ref: Any = None
 
     @property
     def name(self) -> str:
@@ -558,6 +569,16 @@ class _Rank:
         if not self.total:
             return None
         return self.key_at(min(self.n, self.total - 1)).as_tuple()
+
+
+@dataclass(frozen=True)
+class _Seeded:
+    """An actor's answer, as :func:`~jaxtraj.runners.service.check_seeds` reads an env."""
+
+    seeds: list[int] | None
+
+    def sub_env_seeds(self) -> list[int] | None:
+        return self.seeds
 
 
 class RayRunner:
@@ -659,6 +680,12 @@ class RayRunner:
         reach (a loopback one, other nodes cannot: a warning says so). A port in use,
         or a host that is not this node's, stops :meth:`run` before anything is
         collected, with an error naming it.
+      allow_shared_seeds: let env ranks seed sub-environments alike. By default the
+        first :meth:`run` waits for each actor to build its env and say which seeds it
+        gives its sub-environments, and refuses ranks that share one
+        (``ValueError``, before any chunk is stepped), as
+        :class:`~jaxtraj.runners.threads.AsyncRunner` does: give rank ``r`` e.g.
+        ``seed=1000 * r``.
 
     Example::
 
@@ -695,6 +722,7 @@ class RayRunner:
         batch_wait_s: float | str = "auto",
         transport: str = "auto",
         direct_address: tuple[str | None, int] | None = None,
+        allow_shared_seeds: bool = False,
     ):
         if policy not in ("learner", "actor"):
             raise ValueError(f"policy must be 'learner' or 'actor', got {policy!r}")
@@ -767,6 +795,8 @@ class RayRunner:
         self._replay_warned = False
         self.restarts = 0  # worker restarts handled over this runner's life
         self.transport, self.direct_address = transport, direct_address
+        self.allow_shared_seeds = allow_shared_seeds
+        self._seeds: dict[int, list[int] | None] = {}  # rank: its sub-envs' seeds (built)
         self._listener: socket.socket | None = None  # transport="direct": where actors dial
         self._address: tuple | None = None  # the address the actors are given
         self._connected: queue.Queue = queue.Queue()  # (rank index, connection) admitted
@@ -960,6 +990,11 @@ class RayRunner:
         check_run_start(self.collector, self.env_ranks, self.stage_id, self.step_id, n)
         self._run_steps = n
         self._start()
+        try:
+            self._check_seeds()
+        except BaseException:  # refused (or interrupted): the actors shut down
+            self.close()
+            raise
         self._consumer = consumer = Consumer(self.collector, self.on_flush, self.output_queue,
                                              lambda: self._draining)
         # Row keys one training step at a time (memory does not grow with n); keys by
@@ -1081,6 +1116,30 @@ class RayRunner:
         made = time.monotonic()  # one time for the actors made together: named in one warning
         for w in todo:
             w.created_at = made
+        if not self.allow_shared_seeds:  # each actor's first call, answered once built
+            for w in todo:
+                w.seeds_ref = w.actor.sub_env_seeds.remote()
+
+    def _check_seeds(self) -> None:
+        """Refuse ranks whose sub-environments share a seed (as the threaded runners do),
+        asked of the actors made since the last check (:meth:`_start`) before any chunk
+        of the run is requested: the run waits for them to be built (a slow start warned
+        about as the run's loop does). An actor that fails to build its env says
+        nothing here: the run's first request to it fails, naming its rank."""
+        asked = [w for w in self._ranks if w.seeds_ref is not None]
+        pending = [w.seeds_ref for w in asked]
+        while pending:
+            _, pending = ray.wait(pending, num_returns=len(pending), timeout=_POLL_S)
+            if pending:
+                self._warn_unstarted(time.monotonic())
+        for w in asked:
+            try:
+                self._seeds[w.rank] = ray.get(w.seeds_ref)
+            except Exception:  # noqa: BLE001  (reported by the run, naming the rank)
+                self._seeds[w.rank] = None
+            w.seeds_ref = None
+        ranks = [r for r in self.env_ranks if r in self._seeds]
+        check_seeds([_Seeded(self._seeds[r]) for r in ranks], ranks)
 
     def _check_placement(self, count: int) -> None:
         """Warn when ``count`` new actors can never all be placed on the cluster as it
@@ -1199,7 +1258,8 @@ class RayRunner:
         try:
             obs, rng = join_rows([w.obs for w in batch], [self._rngs(k) for k in keys],
                                  self._slots)
-            output = self.policy_fn(params, obs, rng)
+            output = checked_policy_output(self.policy_fn(params, obs, rng),
+                                           self._slots * bsz, self.plan.nonfinite == "reject")
             # The actors step while the rest of the output is made into policy halves.
             actions = sendable_actions(output, self._action_spec, self._slots)
         except Exception as exc:

@@ -504,6 +504,41 @@ def sendable_actions(output: PolicyOutput, spec: tuple, chunks: int) -> np.ndarr
     return None
 
 
+def checked_policy_output(output: Any, rows: int, finite: bool = True) -> PolicyOutput:
+    """``policy_fn``'s return, refused unless it is a :class:`~jaxtraj.PolicyOutput` with
+    a row for each of the ``rows`` it was given on every field (a call's rows: its ranks'
+    ``B`` each, padded to ``max_batch * B``) and, with ``finite`` (the plan's
+    ``nonfinite="reject"``), finite actions: a ``TypeError`` / ``ValueError`` saying what
+    it returned, before its rows are split among the ranks (whose checks could only say
+    that one rank's slice came out short) and before an env steps a NaN (whose rewards
+    would then be refused, blaming the env)."""
+    if not isinstance(output, PolicyOutput):
+        raise TypeError(
+            f"policy_fn returned a {type(output).__name__}: it must return a "
+            f"jaxtraj.PolicyOutput (actions [N, K, A] for the N = {rows} rows of obs it was given)"
+        )
+    for path, leaf in jax.tree_util.tree_flatten_with_path(output)[0]:
+        shape = np.shape(leaf)
+        if not shape or shape[0] != rows:
+            raise ValueError(
+                f"policy_fn was given {rows} rows (obs leaves [{rows}, ...], rng [{rows}, 2]) "
+                f"and returned PolicyOutput{jax.tree_util.keystr(path)} of shape {shape}: "
+                "every field needs a row per row given (a call serves up to max_batch "
+                "ranks of B rows, padded to max_batch * B; a policy written for one rank's "
+                "B rows gets more)"
+            )
+    actions = np.asarray(output.actions)
+    if finite and actions.dtype.kind in "fc" and not np.isfinite(actions).all():
+        bad = np.flatnonzero(~np.isfinite(actions.reshape(rows, -1)).all(axis=1))
+        shown = ", ".join(str(int(r)) for r in bad[:5]) + (", ..." if bad.size > 5 else "")
+        value = actions[~np.isfinite(actions)][0]
+        raise ValueError(
+            f"policy_fn returned non-finite actions (rows [{shown}] of {rows}: {value}); "
+            "none reached an env (the plan's nonfinite='reject'; 'allow' lets them through)"
+        )
+    return output
+
+
 def stamp_versions(output: PolicyOutput, version: int, stamp: bool = True) -> PolicyOutput:
     """``output`` as host arrays, ``versions`` set to ``version`` on every row (when the
     plan keeps versions: ``stamp``)."""

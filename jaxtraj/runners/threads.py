@@ -91,6 +91,7 @@ from jaxtraj.runners.service import (  # noqa: F401  (re-exported: the public na
     checked_batch_wait,
     checked_env_step,
     checked_num_steps,
+    checked_policy_output,
     checked_seconds,
     chunk_keys,
     complete_env_part,
@@ -867,7 +868,8 @@ class AsyncRunner:
         ctx["key"] = batch[0][1]
         obs, rng = join_rows([o for _, _, o in batch], [self._rng(k) for _, k, _ in batch],
                              self._slots)
-        output = self.policy_fn(params, obs, rng)
+        output = checked_policy_output(self.policy_fn(params, obs, rng), self._slots * bsz,
+                                       self.plan.nonfinite == "reject")
         # The envs step while the rest of the output is made into policy halves.
         actions = sendable_actions(output, self._action_spec, self._slots)
         if actions is not None:

@@ -76,6 +76,9 @@ def main():
         got = np.asarray(traj.obs["pixels"])[0]  # [T, B, H, W, 3]
         diff = np.abs(got.astype(np.int16) - want.astype(np.int16))
         out[name] = {"mean": float(got.mean()), "mad": float(diff.mean())}
+        if name != "built_in_main":  # a call to the env from this thread, served where it lives
+            frames = runner.envs[0].render()  # the vector env's: a frame per sub-env
+            out[name]["render"] = [len(frames), *np.shape(frames[0]), float(np.mean(frames))]
         runner.close()
     example_env.close()
     out["main_mean"] = float(want.mean())
