@@ -1062,11 +1062,13 @@ class RayRunner:
             self._catch_up()
             self._check_complete()
         except BaseException as exc:  # KeyboardInterrupt included
-            if not isinstance(exc, KeyboardInterrupt):
-                self._drain()
-            else:  # the env halves already received are collected all the same
-                self._catch_up_quietly()
-            self.close()
+            try:
+                if not isinstance(exc, KeyboardInterrupt):
+                    self._drain()
+                else:  # the env halves already received are collected all the same
+                    self._catch_up_quietly()
+            finally:  # the actors shut down even if an on_flush interrupts the drain too
+                self.close()
             if isinstance(exc, KeyboardInterrupt):
                 raise
             if isinstance(exc, RunnerError):  # with what the drain could not deliver too
@@ -1712,32 +1714,34 @@ class RayRunner:
         ``in_flight_s`` in all, as the threaded runners join their workers), so that a
         chunk an env executed keeps its env half."""
         self._draining = True
-        self._catch_up_quietly()
-        deadline = time.monotonic() + in_flight_s
-        for w in self._ranks:
-            while w.pending:
-                kind, head = w.pending[0][0], w.pending[0][1]
-                # a chunk executing is waited for; anything else only taken if it is in
-                left = max(0.0, deadline - time.monotonic()) if kind in ("step", "run") else 0.0
-                try:
-                    if head is _DIRECT:  # (answers call_env read ahead are in too)
-                        if not w.early and (w.conn is None or not w.conn.poll(left)):
+        try:
+            self._catch_up_quietly()
+            deadline = time.monotonic() + in_flight_s
+            for w in self._ranks:
+                while w.pending:
+                    kind, head = w.pending[0][0], w.pending[0][1]
+                    # a chunk executing is waited for; anything else only taken if it is in
+                    left = max(0.0, deadline - time.monotonic()) if kind in ("step", "run") else 0.0
+                    try:
+                        if head is _DIRECT:  # (answers call_env read ahead are in too)
+                            if not w.early and (w.conn is None or not w.conn.poll(left)):
+                                break
+                            self._receive_direct(w)
+                            continue
+                        ready, _ = ray.wait([head], timeout=left)
+                        if not ready:
                             break
-                        self._receive_direct(w)
-                        continue
-                    ready, _ = ray.wait([head], timeout=left)
-                    if not ready:
+                        self._receive(w, _fetch(ready)[0])
+                    except RunnerError as exc:  # a flushed item not delivered: its half is in,
+                        if exc.delivery:  # the next may go on
+                            continue
+                        break  # the first failure is the one reported
+                    except Exception:  # noqa: BLE001
                         break
-                    self._receive(w, _fetch(ready)[0])
-                except RunnerError as exc:  # a flushed item not delivered: its half is in,
-                    if exc.delivery:  # the next may go on
-                        continue
-                    break  # the first failure is the one reported
-                except Exception:  # noqa: BLE001
-                    break
-        self._catch_up_quietly()
-        self._consumer.insert_held()
-        self._draining = False
+            self._catch_up_quietly()
+            self._consumer.insert_held()
+        finally:  # (an on_flush may interrupt it: the next run submits again)
+            self._draining = False
 
     def _catch_up_quietly(self) -> None:
         """:meth:`_catch_up` after a failure: a half that fails is left out (the first
