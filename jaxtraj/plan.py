@@ -46,7 +46,8 @@ class TrajectoryPlan:
         ``ref_chunk`` from the forward inputs, for the current and the next state
         (never the whole next forward-input dictionary).
       nonfinite: ``"reject"`` parts whose rewards or values are not finite, or
-        ``"allow"`` them.
+        ``"allow"`` them. Under ``"reject"`` the host runners also refuse a
+        ``policy_fn`` output with non-finite actions, before any env steps them.
       env_reward_weight: weight of the environment reward where a reward model scored
         the chunk: with ``EnvTransition.reward_model_output`` given, the rewards are
         ``env_reward_weight * rewards + reward_model_weight * reward_model_output``;

@@ -4,6 +4,7 @@ hangs, and the error names what was wrong (from a review of the runners)."""
 from __future__ import annotations
 
 import functools
+import os
 import pathlib
 import queue
 import threading
@@ -100,8 +101,8 @@ def test_after_a_failure_every_healthy_half_published_goes_into_the_collector():
                          num_steps=3, on_flush=on_flush, batch_wait_s=0.0)
     published, put = [], runner._put
 
-    def recording_put(q, item, name, env=None):
-        put(q, item, name, env)  # (raises, nothing queued, once the run stops)
+    def recording_put(q, item, name, env=None, keep=None):
+        put(q, item, name, env, keep)  # (raises, nothing queued, once the run stops)
         if name == "parts":
             _, worker, part = item
             published.extend(part if worker is None else [(worker, part)])
@@ -219,8 +220,8 @@ def test_halves_held_for_the_next_step_go_in_when_the_flush_before_fails():
                         num_steps=2)
     put = clean._put
 
-    def recording_put(q, item, name, env=None):
-        put(q, item, name, env)
+    def recording_put(q, item, name, env=None, keep=None):
+        put(q, item, name, env, keep)
         if name == "parts":
             _, worker, part = item
             published.extend(part if worker is None else [(worker, part)])
@@ -351,3 +352,147 @@ def test_a_policy_output_of_the_wrong_kind_or_rows_is_named_on_every_call(worker
         with pytest.raises(RunnerError, match=match) as info:
             runner.run()
     assert info.value.worker == "policy_worker" and info.value.key[-1] == 0  # the first call
+
+
+class Recorded(PointEnv):
+    """Records its last observation (shared through ``seen``) and the chunks it ran."""
+
+    def __init__(self, rank, seen):
+        super().__init__(rank)
+        self.seen = seen
+
+    def reset(self):
+        obs = super().reset()
+        self.seen["obs", self.rank] = obs["state"]
+        return obs
+
+    def step(self, key, actions):
+        out = super().step(key, actions)
+        self.seen["obs", self.rank] = out.obs["state"]
+        self.seen.setdefault("ran", set()).add(key.as_tuple())
+        return out
+
+    def close(self):
+        pass
+
+
+def test_no_chunk_is_started_after_the_run_stopped():
+    """A policy call that returns as the run stops sends no actions: no env steps a chunk
+    whose policy half would never be made (from a review of the fix above, whose first
+    version sent them; timing-based there: it failed in most runs)."""
+    seen, state = {}, {"calls": 0, "closer": None}
+
+    def policy(params, obs, rng):
+        state["calls"] += 1
+        rank1 = np.array_equal(np.asarray(obs["state"]), seen.get(("obs", 1)))
+        if state["calls"] > 4 and rank1 and state["closer"] is None:
+            runner = state["runner"]
+            state["closer"] = threading.Thread(target=runner.envs[0].close, daemon=True)
+            state["closer"].start()  # rank 0's loop serves it between chunks and fails
+            deadline = time.monotonic() + 5.0
+            while not runner._stop.is_set() and time.monotonic() < deadline:
+                time.sleep(0.001)
+        return policy_fn(params, obs, rng)
+
+    envs = [functools.partial(Recorded, r, seen) for r in range(RANKS)]
+    collector = make_collector()
+    runner = AsyncRunner(collector, envs, policy, PARAMS, max_batch=1, batch_wait_s=0.0,
+                         num_steps=2)
+    state["runner"] = runner
+    try:
+        with pytest.raises(RunnerError):
+            runner.run()
+    finally:
+        if state["closer"] is not None:
+            state["closer"].join(10)
+        runner.close()
+    missing = {(k, h) for k, h, *_ in collector.missing()}
+    assert [k for k in seen.get("ran", ()) if (k, "policy") in missing] == []
+
+
+def test_a_round_flushed_after_the_stop_is_kept_once():
+    """The policy worker's round, flushed as the run stops, then left at its end: the
+    drain gets it once (it went on the parts queue twice before)."""
+    from jaxtraj.runners.threads import _Stopped
+
+    runner = AsyncRunner(make_collector(), [PointEnv(r) for r in range(RANKS)], policy_fn,
+                         PARAMS)
+    runner._unsent_parts, runner._outbox = [], [("policy_worker", "half a"),
+                                                ("policy_worker", "half b")]
+    runner._stop.set()
+    with pytest.raises(_Stopped):
+        runner._flush()  # as _rounds does after a round
+    runner._leave_outbox()  # as the policy worker's finally does
+    assert runner._parts.qsize() == 0
+    assert runner._unsent_parts == [(0.0, None, [("policy_worker", "half a"),
+                                                 ("policy_worker", "half b")])]
+
+
+class DiesOrSlow(PointEnv):
+    """Rank 0's process exits at chunk 1; rank 1's chunk 1 takes 1.5 s."""
+
+    def step(self, key, actions):
+        if int(key.chunk_id) == 1 and int(key.epoch_id) == 0:
+            if self.rank == 0:
+                time.sleep(0.2)  # rank 1 is stepping by then
+                os._exit(1)
+            time.sleep(1.5)
+        return super().step(key, actions)
+
+
+def test_waiting_for_a_step_in_flight_does_not_spin_on_an_ended_env():
+    """After a failure the steps in flight are awaited; an env whose process ended keeps
+    its pipe readable, which made that wait a busy loop (a core for up to 10 s)."""
+    envs = [functools.partial(DiesOrSlow, r) for r in range(RANKS)]
+    with AsyncRunner(make_collector(), envs, policy_fn, PARAMS, env_workers="process",
+                     max_batch=1, batch_wait_s=0.0) as runner:
+        runner.envs[0].call("reset")  # built (spawn, imports) before the clock starts
+        runner.envs[1].call("reset")
+        cpu0, wall0 = time.process_time(), time.monotonic()
+        with pytest.raises(RunnerError, match="process ended"):
+            runner.run()
+        cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
+    assert wall > 1.2  # it waited for rank 1's step in flight
+    assert cpu < 0.5 * wall, f"the learner spun: {cpu:.2f} s of CPU in {wall:.2f} s"
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, "bfloat16"])
+def test_nonfinite_actions_are_refused_whatever_the_float_dtype(dtype):
+    import jax.numpy as jnp
+
+    from jaxtraj import PolicyOutput
+    from jaxtraj.runners.service import checked_policy_output
+
+    actions = jnp.zeros((4, 2, 3), jnp.dtype(dtype)).at[1, 0, 0].set(jnp.nan)
+    with pytest.raises(ValueError, match=r"non-finite actions \(rows \[1\] of 4"):
+        checked_policy_output(PolicyOutput(actions=actions), 4)
+    checked_policy_output(PolicyOutput(actions=actions), 4, finite=False)  # allowed
+
+
+class SlowRank0(PointEnv):
+    def step(self, key, actions):
+        if self.rank == 0:
+            time.sleep(0.2)  # the next chunk's actions are held by the time it is back
+        return super().step(key, actions)
+
+
+def test_an_env_whose_observation_is_refused_steps_no_further(monkeypatch):
+    """DecoupledRunner with env processes: the held next chunk was sent before the
+    returned observation was checked; when it was refused, that next step's half was then
+    made with an older chunk's transition as its boundary (from a review)."""
+    import jaxtraj.runners.threads as threads
+
+    bad, after = (0, 0, 0, 0, 2), (0, 1, 0, 0, 0)
+    made, real = set(), threads.env_part
+
+    def spy(plan, key, out, prev, next_obs=None):
+        made.add(key.as_tuple())
+        return real(plan, key, out, prev, next_obs)
+
+    monkeypatch.setattr(threads, "env_part", spy)
+    envs = [functools.partial(SlowRank0, r, bad_obs_at=bad) for r in range(RANKS)]
+    with DecoupledRunner(make_collector(), envs, policy_fn, PARAMS, env_workers="process",
+                         max_batch=1, batch_wait_s=0.0) as runner:
+        with pytest.raises(RunnerError, match="observation"):
+            runner.run()
+    assert (0, 0, 0, 0, 1) in made and after not in made

@@ -1412,10 +1412,10 @@ def test_a_failed_run_keeps_the_env_half_of_a_chunk_in_flight(ray_instance, tmp_
     assert sorted(k for k in ran if (k, "env") in missing) == []
 
 
-def RayRunnerOf(collector, env_fn, policy, **kw):
+def RayRunnerOf(collector, env_fn, policy_fn_, **kw):
     from jaxtraj.runners.ray import RayRunner
 
-    return RayRunner(collector, env_fn, policy, PARAMS, seed=SEED, **kw)
+    return RayRunner(collector, env_fn, policy_fn_, PARAMS, seed=SEED, **kw)
 
 
 class SeededEnv(PointEnv):
@@ -1460,3 +1460,66 @@ def test_a_policy_returning_too_few_rows_is_named_by_the_learner(ray_instance):
                            rf"PolicyOutput\.actions of shape \({B}, {K}, {A}\)") as info:
             runner.run()
     assert info.value.worker == "policy_worker"
+
+
+def test_close_from_another_thread_stops_a_run_waiting_for_its_actors(ray_instance):
+    """A run waiting for actors Ray cannot place (the case a user closes it from another
+    thread for) stops on close(), as the run's loop does (the seed check's wait did not
+    look: from a review)."""
+    runner = RayRunnerOf(make_collector(), PointEnv, policy_fn,
+                         actor_options={"resources": {"no_such_resource": 1}})
+    outcome = []
+
+    def target():
+        try:
+            runner.run()
+            outcome.append("returned")
+        except BaseException as exc:  # noqa: BLE001
+            outcome.append(exc)
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    time.sleep(1.0)
+    runner.close()  # during the run: asks it to stop
+    t.join(15.0)
+    assert not t.is_alive(), "run() still waiting 15 s after close()"
+    assert isinstance(outcome[0], RunnerError) and "close() was called" in str(outcome[0])
+    assert all(w.actor is None for w in runner._ranks)
+
+
+def _fail_first_call(params, obs, rng, marker):
+    """The first policy call of all the actors' fails (an atomic marker file)."""
+    try:
+        fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return policy_fn(params, obs, rng)
+    os.close(fd)
+    time.sleep(0.5)  # the same actor's next run is queued behind this one
+    raise RuntimeError("policy crashed")
+
+
+def test_an_actors_runs_behind_its_failed_one_are_not_collected(ray_instance, tmp_path):
+    """policy="actor": after a rank's run fails, its runs queued behind it executed from
+    the state before the failed chunk; the drain, waiting for chunks in flight, must not
+    take them under their later keys (from a review)."""
+    policy = functools.partial(_fail_first_call, marker=str(tmp_path / "failed"))
+    collector = make_collector()
+    with RayRunnerOf(collector, PointEnv, policy, policy="actor", chunks_per_call=1,
+                     max_in_flight=2, num_steps=1) as runner:
+        with pytest.raises(RunnerError, match="policy crashed") as info:
+            runner.run()
+    rank = info.value.key[2]
+    missing = {(k, half) for k, half, *_ in collector.missing()}
+    assert [t for t in range(T) if ((0, 0, rank, 0, t), "policy") not in missing] == []
+
+
+def test_allow_shared_seeds_set_after_a_refusal_lets_the_runner_run(ray_instance):
+    same = functools.partial(SeededEnv, seed_of=lambda rank: 7)
+    runner = RayRunnerOf(make_collector(), same, policy_fn, num_steps=1)
+    try:
+        with pytest.raises(ValueError, match="both seed a sub-environment"):
+            runner.run()
+        runner.allow_shared_seeds = True  # as the message says (the next run asks afresh)
+        assert len(runner.run()) == RANKS
+    finally:
+        runner.close()

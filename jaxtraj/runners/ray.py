@@ -952,7 +952,8 @@ class RayRunner:
                     pass
             w.actor, w.started, w.pending, w.ping_at = None, False, deque(), None
             w.obs, w.snapshot, w.prev, w.replay, w.loop = None, None, None, [], None
-            w.early, w.readers, w.actions = deque(), _StepReaders(), None
+            w.early, w.readers, w.actions, w.seeds_ref = deque(), _StepReaders(), None, None
+        self._seeds = {}  # the next actors are asked afresh
         if self._listener is not None:
             self._unlisten()
 
@@ -1118,9 +1119,8 @@ class RayRunner:
         made = time.monotonic()  # one time for the actors made together: named in one warning
         for w in todo:
             w.created_at = made
-        if not self.allow_shared_seeds:  # each actor's first call, answered once built
-            for w in todo:
-                w.seeds_ref = w.actor.sub_env_seeds.remote()
+        for w in todo:  # each actor's first call, answered once built (checked in run())
+            w.seeds_ref = w.actor.sub_env_seeds.remote()
 
     def _check_seeds(self) -> None:
         """Refuse ranks whose sub-environments share a seed (as the threaded runners do),
@@ -1129,8 +1129,16 @@ class RayRunner:
         about as the run's loop does). An actor that fails to build its env says
         nothing here: the run's first request to it fails, naming its rank."""
         asked = [w for w in self._ranks if w.seeds_ref is not None]
+        if self.allow_shared_seeds:
+            for w in asked:
+                w.seeds_ref = None
+            return
         pending = [w.seeds_ref for w in asked]
         while pending:
+            if self._close_asked:  # from another thread (actors Ray cannot place, say)
+                raise RunnerError("runner", None, RuntimeError(
+                    "close() was called during run(), while it waited for the env actors "
+                    "to start: the run stopped before any chunk, its actors shut down"))
             _, pending = ray.wait(pending, num_returns=len(pending), timeout=_POLL_S)
             if pending:
                 self._warn_unstarted(time.monotonic())
@@ -1323,6 +1331,9 @@ class RayRunner:
                         f"failed (transport='direct'; its node must reach the learner's "
                         f"address, else use transport='ray'): {type(cause).__name__}: {cause}"
                     )
+                # Its requests behind this one run from the state before it (policy="actor":
+                # the next chunks' runs): nothing of them is collected (the drain skips it).
+                w.pending.clear()
                 raise RunnerError(w.name, w.key(), cause, self.delivered) from exc
             if kind == "ping" and isinstance(exc, ray.exceptions.ActorUnavailableError):
                 w.ping_at = time.monotonic() + _RETRY_S  # still restarting: ask again soon

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxtraj import checks
@@ -452,6 +453,11 @@ def stack_ranks(items: list[tuple[str, Any]]) -> Any:
 
         items = runner.run(num_steps=1)
         batch = jaxtraj.runners.service.stack_ranks(items)  # leaves [R, E, T, B, ...]
+        targets = jax.vmap(lambda tr: jaxtraj.trajectory_targets(plan, tr))(batch)
+
+    Targets are computed rank by rank (``jax.vmap`` over the new axis, as above); read
+    episode statistics from the items themselves (``tr.episodes.to_list()``), as the
+    stacked ``episodes`` carry the rank axis too.
 
     Raises:
       ValueError: the items mix training steps, or their structures differ.
@@ -517,7 +523,8 @@ def checked_policy_output(output: Any, rows: int, finite: bool = True) -> Policy
             f"policy_fn returned a {type(output).__name__}: it must return a "
             f"jaxtraj.PolicyOutput (actions [N, K, A] for the N = {rows} rows of obs it was given)"
         )
-    for path, leaf in jax.tree_util.tree_flatten_with_path(output)[0]:
+    # (versions: the runner stamps them where the plan keeps them)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(output.replace(versions=None))[0]:
         shape = np.shape(leaf)
         if not shape or shape[0] != rows:
             raise ValueError(
@@ -528,7 +535,7 @@ def checked_policy_output(output: Any, rows: int, finite: bool = True) -> Policy
                 "B rows gets more)"
             )
     actions = np.asarray(output.actions)
-    if finite and actions.dtype.kind in "fc" and not np.isfinite(actions).all():
+    if finite and jnp.issubdtype(actions.dtype, jnp.inexact) and not np.isfinite(actions).all():
         bad = np.flatnonzero(~np.isfinite(actions.reshape(rows, -1)).all(axis=1))
         shown = ", ".join(str(int(r)) for r in bad[:5]) + (", ..." if bad.size > 5 else "")
         value = actions[~np.isfinite(actions)][0]

@@ -403,6 +403,9 @@ class AsyncRunner:
         self._failure = None
         # Fresh queues: nothing of an earlier run is served or executed in this one.
         self._requests, self._parts = queue.SimpleQueue(), queue.Queue(self._parts.maxsize)
+        # Items with halves made as the run stopped, not put on their queue: the drain's.
+        self._unsent_requests: list = []
+        self._unsent_parts: list = []
         self._replies = [queue.SimpleQueue() for _ in self.envs]
         self._held_replies = [collections.deque() for _ in self.envs]  # see _serve_calls
         self._consumer = consumer = Consumer(self.collector, self.on_flush, self.output_queue,
@@ -569,11 +572,13 @@ class AsyncRunner:
                 self._failure = (worker, key, exc)
         self._stop.set()
 
-    def _put(self, q: queue.Queue, item: Any, name: str, env: int | None = None) -> None:
+    def _put(self, q: queue.Queue, item: Any, name: str, env: int | None = None,
+             keep: list | None = None) -> None:
         """Put ``item`` on ``q``, waiting while it is full; ``env``: the index of the env
         whose worker waits, which meanwhile serves the calls handed to it. Once the run
-        stops, it is put only where there is room at once (an env half made as another
-        worker failed: the drain takes it from there)."""
+        stops, an item that carries halves is appended to ``keep`` (the drain takes it
+        from there: halves made as another worker failed); any other (actions) is not
+        sent: no env starts a chunk after the stop."""
         while not self._stop.is_set():
             try:
                 q.put(item, timeout=_POLL_S)
@@ -585,10 +590,8 @@ class AsyncRunner:
             if size > self.max_qsize[name]:
                 self.max_qsize[name] = size
             return
-        try:
-            q.put_nowait(item)
-        except queue.Full:
-            pass
+        if keep is not None:
+            keep.append(item)
         raise _Stopped
 
     def _get(self, q: queue.Queue) -> Any:
@@ -606,7 +609,7 @@ class AsyncRunner:
             heapq.heappush(self._held, (due, self._order, worker, part))  # held here
             self._order += 1
             return
-        self._put(self._parts, (due, worker, part), "parts", env)
+        self._put(self._parts, (due, worker, part), "parts", env, keep=self._unsent_parts)
 
     def _actions(self, i: int) -> Any:
         """Env ``i``'s actions for its next chunk (its worker), serving meanwhile the calls
@@ -673,8 +676,8 @@ class AsyncRunner:
             while self._batch:  # left for the drain if the collector rejects one
                 self._consumer.consume(*self._batch.popleft())
         elif self._outbox:
-            self._put(self._parts, (0.0, None, self._outbox), "parts")
-            self._outbox = []
+            out, self._outbox = self._outbox, []  # (not left for _leave_outbox to put again)
+            self._put(self._parts, (0.0, None, out), "parts", keep=self._unsent_parts)
 
     def _check(self, part: Any, key: TrajectoryKey) -> None:
         """Structure check of a half in its producer's thread (cached by signature)."""
@@ -730,7 +733,8 @@ class AsyncRunner:
             key = ctx["key"] = self._key(rank, n)
             if not self.pipelined:
                 # The previous chunk's env half rides with this chunk's request.
-                self._put(self._requests, (i, key, obs, pending), "requests")
+                self._put(self._requests, (i, key, obs, pending), "requests",
+                          keep=self._unsent_requests)
                 pending = None
             actions = self._actions(i)
             if self.pipelined and n + 1 < count:
@@ -749,10 +753,12 @@ class AsyncRunner:
                 continue
             pending = (name, out, part)
             if self.pipelined:
-                self._put(self._requests, (i, None, None, pending), "requests")
+                self._put(self._requests, (i, None, None, pending), "requests",
+                          keep=self._unsent_requests)
                 pending = None
         if pending is not None:  # the last chunk's terminal request: no actions asked
-            self._put(self._requests, (i, None, None, pending), "requests")
+            self._put(self._requests, (i, None, None, pending), "requests",
+                      keep=self._unsent_requests)
 
     def _step(self, i: int, env: Any, key: TrajectoryKey, actions: Any,
               meter: CpuMeter | None) -> EnvStep:
@@ -814,10 +820,7 @@ class AsyncRunner:
     def _leave_outbox(self) -> None:
         """Failed or stopped mid-round: the halves made are left for the drain."""
         if self._outbox:
-            try:
-                self._parts.put_nowait((0.0, None, self._outbox))
-            except queue.Full:
-                pass
+            self._unsent_parts.append((0.0, None, self._outbox))
             self._outbox = []
 
     def _rounds(self, count: int, ready: list, asks: list, take: Callable, rand: random.Random,
@@ -1046,13 +1049,13 @@ class AsyncRunner:
                     except Exception as exc:  # key None: its process ended with no step to run
                         raise RunnerError(names[i], key and key.as_tuple(), exc) from exc
                     expect.cpu(i, self.envs[i].step_share)  # not a call's meanwhile
-                    if held[i] is not None:  # the next chunk's actions: its step starts at once
-                        (k, actions), held[i] = held[i], None
-                        self._send_step(i, k, actions, out.obs)
-                    try:  # before the policy sees it
+                    try:  # before the policy sees it, and before the env steps on from it
                         self._check_obs(out.obs, key)
                     except Exception as exc:
                         raise RunnerError(names[i], key.as_tuple(), exc) from exc
+                    if held[i] is not None:  # the next chunk's actions: its step starts at once
+                        (k, actions), held[i] = held[i], None
+                        self._send_step(i, k, actions, out.obs)
                     # Its env half is made later, off the path to the actions.
                     halves.append((i, key, out, self._carry[i][1]))
                     self._carry[i] = (out.obs, out.transition)
@@ -1073,6 +1076,7 @@ class AsyncRunner:
                 if left <= 0:
                     return
                 early = [i for i, env in enumerate(self.envs) if env.received_early]
+                progressed = False
                 for i in early or wait(min(left, _POLL_S)):
                     env, key = self.envs[i], stepping[i]
                     if key is None:
@@ -1080,14 +1084,16 @@ class AsyncRunner:
                     try:
                         if not env.ready():
                             continue
-                        stepping[i] = None
+                        progressed, stepping[i] = True, None
                         out = checked_env_step(env.receive())
                         self._check_obs(out.obs, key)
                     except Exception:  # noqa: BLE001  (the run's failure is the one reported)
-                        stepping[i] = None
+                        progressed, stepping[i] = True, None
                         continue
                     halves.append((i, key, out, self._carry[i][1]))
                     self._carry[i] = (out.obs, out.transition)
+                if not progressed:  # a pipe readable with nothing of ours (an env whose
+                    time.sleep(min(max(left, 0.0), 0.005))  # process ended): no busy loop
 
         try:
             serve()
@@ -1119,21 +1125,25 @@ class AsyncRunner:
         held = [(0.0, n, w, p) for n, (w, p) in enumerate(self._batch)]
         held += sorted(self._held)
         self._batch, self._held = collections.deque(), []
+        parts = self._unsent_parts
         while True:
             try:
-                _, worker, part = self._parts.get_nowait()
+                parts.append(self._parts.get_nowait())
             except queue.Empty:
                 break
+        for _, worker, part in parts:
             pairs = part if worker is None else [(worker, part)]
             held += [(0.0, len(held), w, p) for w, p in pairs]
         # Env halves of chunks the envs executed, still waiting in the requests for the
         # policy side's terminal inference: completed here (one whose value_fn fails
         # is lost with the run; the others are not).
+        requests = self._unsent_requests
         while True:
             try:
-                pending = self._requests.get_nowait()[3]
+                requests.append(self._requests.get_nowait())
             except queue.Empty:
                 break
+        for *_, pending in requests:
             if pending is None:
                 continue
             worker, out, part = pending
