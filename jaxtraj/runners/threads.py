@@ -1125,25 +1125,13 @@ class AsyncRunner:
         held = [(0.0, n, w, p) for n, (w, p) in enumerate(self._batch)]
         held += sorted(self._held)
         self._batch, self._held = collections.deque(), []
-        parts = self._unsent_parts
-        while True:
-            try:
-                parts.append(self._parts.get_nowait())
-            except queue.Empty:
-                break
-        for _, worker, part in parts:
+        for _, worker, part in _emptied(self._parts, self._unsent_parts):
             pairs = part if worker is None else [(worker, part)]
             held += [(0.0, len(held), w, p) for w, p in pairs]
         # Env halves of chunks the envs executed, still waiting in the requests for the
         # policy side's terminal inference: completed here (one whose value_fn fails
         # is lost with the run; the others are not).
-        requests = self._unsent_requests
-        while True:
-            try:
-                requests.append(self._requests.get_nowait())
-            except queue.Empty:
-                break
-        for *_, pending in requests:
+        for *_, pending in _emptied(self._requests, self._unsent_requests):
             if pending is None:
                 continue
             worker, out, part = pending
@@ -1169,6 +1157,15 @@ class AsyncRunner:
         alive = [t.name for t in self._threads if t.is_alive()]
         if alive and self._failure is None:
             self._fail("runner", None, RuntimeError(f"threads still running: {alive}"))
+
+
+def _emptied(q: Any, into: list) -> list:
+    """``into``, with every item ``q`` holds appended (none waited for)."""
+    while True:
+        try:
+            into.append(q.get_nowait())
+        except queue.Empty:
+            return into
 
 
 class _Readable:
