@@ -571,16 +571,6 @@ class _Rank:
         return self.key_at(min(self.n, self.total - 1)).as_tuple()
 
 
-@dataclass(frozen=True)
-class _Seeded:
-    """An actor's answer, as :func:`~jaxtraj.runners.service.check_seeds` reads an env."""
-
-    seeds: list[int] | None
-
-    def sub_env_seeds(self) -> list[int] | None:
-        return self.seeds
-
-
 class RayRunner:
     """Environment workers as Ray actors; policy inference in the learner (default) or
     in the actors; one consumer in the learner feeding the collector.
@@ -1149,7 +1139,7 @@ class RayRunner:
                 self._seeds[w.rank] = None
             w.seeds_ref = None
         ranks = [r for r in self.env_ranks if r in self._seeds]
-        check_seeds([_Seeded(self._seeds[r]) for r in ranks], ranks)
+        check_seeds([self._seeds[r] for r in ranks], ranks)
 
     def _check_placement(self, count: int) -> None:
         """Warn when ``count`` new actors can never all be placed on the cluster as it

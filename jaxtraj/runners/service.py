@@ -414,14 +414,15 @@ def check_env_ranks(collector: TrajectoryCollector, ranks: Sequence[int], stage_
             )
 
 
-def check_seeds(envs: Sequence[Any], ranks: Sequence[int]) -> None:
+def check_seeds(seeds: Sequence[list[int] | None], ranks: Sequence[int]) -> None:
     """Refuse env ranks whose sub-environments share a seed (identical starting states,
-    correlated data): ``ValueError`` naming the ranks and the seeds.
+    correlated data): ``ValueError`` naming the ranks and the seeds. ``seeds``: each
+    rank's :func:`sub_env_seeds` (``None``: unknown).
 
     Pass ``allow_shared_seeds=True`` to the runner to share them on purpose."""
     owner: dict[int, int] = {}
-    for env, rank in zip(envs, ranks):
-        for seed in sub_env_seeds(env) or ():
+    for own, rank in zip(seeds, ranks):
+        for seed in own or ():
             if seed in owner and owner[seed] != rank:
                 raise ValueError(
                     f"env ranks {owner[seed]} and {rank} both seed a sub-environment with "
@@ -534,8 +535,10 @@ def checked_policy_output(output: Any, rows: int, finite: bool = True) -> Policy
                 "ranks of B rows, padded to max_batch * B; a policy written for one rank's "
                 "B rows gets more)"
             )
+    if not finite:
+        return output
     actions = np.asarray(output.actions)
-    if finite and jnp.issubdtype(actions.dtype, jnp.inexact) and not np.isfinite(actions).all():
+    if jnp.issubdtype(actions.dtype, jnp.inexact) and not np.isfinite(actions).all():
         bad = np.flatnonzero(~np.isfinite(actions.reshape(rows, -1)).all(axis=1))
         shown = ", ".join(str(int(r)) for r in bad[:5]) + (", ..." if bad.size > 5 else "")
         value = actions[~np.isfinite(actions)][0]

@@ -105,6 +105,7 @@ from jaxtraj.runners.service import (  # noqa: F401  (re-exported: the public na
     split_rows,
     stack_ranks,
     stamp_versions,
+    sub_env_seeds,
 )
 from jaxtraj.types import PolicyPart, TrajectoryKey, TrajectorySource
 
@@ -288,7 +289,7 @@ class AsyncRunner:
             for env in self.envs:
                 check_env(env, collector)  # spaces against the examples, before any thread
             if not allow_shared_seeds:
-                check_seeds(self.envs, self.env_ranks)
+                check_seeds([sub_env_seeds(e) for e in self.envs], self.env_ranks)
         except BaseException:  # the ranks built so far stop cleanly (their error is not this one)
             with contextlib.suppress(Exception):
                 self.close()
@@ -1093,7 +1094,7 @@ class AsyncRunner:
                     halves.append((i, key, out, self._carry[i][1]))
                     self._carry[i] = (out.obs, out.transition)
                 if not progressed:  # a pipe readable with nothing of ours (an env whose
-                    time.sleep(min(max(left, 0.0), 0.005))  # process ended): no busy loop
+                    time.sleep(min(left, 0.005))  # process ended): no busy loop
 
         try:
             serve()
