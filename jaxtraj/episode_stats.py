@@ -116,30 +116,46 @@ class EpisodeStats:
         """The episodes as dicts, in time order per source and row (host side): ``return``,
         ``length``, ``success``, ``terminated``, ``truncated``, ``env_rank``,
         ``stage_id``, ``row``, ``step_id`` and where it ended (``epoch`` or ``source``,
-        ``chunk``, ``action``)."""
+        ``chunk``, ``action``). Stacked statistics (``stack_ranks``' items, a pipeline
+        flush's ``[R, S, ...]`` before it is split among the Actor ranks) list each stacked
+        item's, with its index there: ``item`` (a tuple where several axes were added)."""
         host = jax.tree.map(np.asarray, self)
         ended = host.ended
-        stacked = host.env_rank.ndim == 1  # a pipeline flush: the leading axis is sources
+        leads = ended.ndim - 3  # the axes before [T, B, K]
+        per_source = host.env_rank.ndim  # the leading axes the sources' fields have
+        # A flush's own axis: a trajectory's epochs (sources' fields without it), or a
+        # pipeline flush's sources; any axes before it were added by stacking.
+        own = "epoch" if leads > per_source else "source"
+        added = leads - 1
+        if not (leads == per_source + 1 or leads == per_source >= 1):
+            raise ValueError(
+                f"EpisodeStats.to_list: ended {ended.shape} and env_rank "
+                f"{host.env_rank.shape} are no flush's (leaves [E, T, B, K] with env_rank "
+                "[], or [S, T, B, K] with env_rank [S], either stacked on leading axes)"
+            )
         out = []
-        lead = "source" if stacked else "epoch"
-        for a, t, b, k in zip(*np.nonzero(ended)):
-            s = int(a) if stacked else None
-            out.append({
-                "return": float(host.returns[a, t, b, k]),
-                "length": int(host.lengths[a, t, b, k]),
-                "success": bool(host.success[a, t, b, k]),
-                "terminated": bool(host.terminated[a, t, b, k]),
-                "truncated": bool(host.truncated[a, t, b, k]),
-                "env_rank": int(host.env_rank[s] if stacked else host.env_rank),
-                "stage_id": int(host.stage_id[s] if stacked else host.stage_id),
-                "row": int(b),
-                "step_id": int(host.step_id[s] if stacked else host.step_id),
-                lead: int(a),
-                "chunk": int(t),
-                "action": int(k),
-            })
-        order = lambda e: (e["env_rank"], e["stage_id"], e["row"], e.get("epoch", 0),
-                           e["chunk"], e["action"])
+        for at in zip(*np.nonzero(ended)):
+            src = at[:per_source]
+            episode = {
+                "return": float(host.returns[at]),
+                "length": int(host.lengths[at]),
+                "success": bool(host.success[at]),
+                "terminated": bool(host.terminated[at]),
+                "truncated": bool(host.truncated[at]),
+                "env_rank": int(host.env_rank[src]),
+                "stage_id": int(host.stage_id[src]),
+                "row": int(at[-2]),
+                "step_id": int(host.step_id[src]),
+                own: int(at[added]),
+                "chunk": int(at[-3]),
+                "action": int(at[-1]),
+            }
+            if added:
+                item = tuple(int(i) for i in at[:added])
+                episode["item"] = item[0] if added == 1 else item
+            out.append(episode)
+        order = lambda e: (e.get("item", 0), e["env_rank"], e["stage_id"], e["row"],
+                           e.get("epoch", 0), e["chunk"], e["action"])
         return sorted(out, key=order)
 
 

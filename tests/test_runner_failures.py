@@ -327,6 +327,13 @@ def _nan_at(actions, row):
     return actions
 
 
+def flat_actions(params, obs, rng):
+    """Actions [N, K * A]: before, refused as one rank's slice [B, K * A] (from a
+    newcomer's trial)."""
+    out = policy_fn(params, obs, rng)
+    return out.replace(actions=out.actions.reshape(out.actions.shape[0], -1))
+
+
 def per_rank_policy(params, obs, rng):
     """Written for one rank's B rows: the first B of whatever it is given."""
     out = policy_fn(params, obs, rng)
@@ -339,6 +346,8 @@ def per_rank_policy(params, obs, rng):
                       r"\(4, \d+, \d+\)"),
     (lambda p, o, r: (policy_fn(p, o, r).actions, None),
      r"policy_fn returned a tuple: it must return a jaxtraj\.PolicyOutput"),
+    (flat_actions, r"policy_fn returned PolicyOutput\.actions of shape \(8, \d+\) for its 8 "
+                   r"rows: each row's actions must be \(4, \d+\).* reshape them to \[N, K, A\]"),
     (nan_row_5, r"policy_fn returned non-finite actions \(rows \[5\] of 8: nan\); none "
                 r"reached an env"),
 ])

@@ -1462,6 +1462,23 @@ def test_a_policy_returning_too_few_rows_is_named_by_the_learner(ray_instance):
     assert info.value.worker == "policy_worker"
 
 
+def _flat_actions(params, obs, rng):
+    out = policy_fn(params, obs, rng)
+    return out.replace(actions=out.actions.reshape(out.actions.shape[0], -1))
+
+
+@pytest.mark.parametrize("policy", ["learner", "actor"])
+def test_flat_actions_are_named_as_the_policy_returned_them(ray_instance, policy):
+    """Actions [N, K * A] are refused as the call's, not as one rank's slice."""
+    rows = RANKS * B if policy == "learner" else B
+    with RayRunnerOf(make_collector(), PointEnv, _flat_actions, policy=policy,
+                     num_steps=1) as runner:
+        with pytest.raises(RunnerError, match=rf"PolicyOutput\.actions of shape \({rows}, "
+                           rf"{K * A}\) for its {rows} rows: each row's actions must be "
+                           rf"\({K}, {A}\).*reshape them to \[N, K, A\]"):
+            runner.run()
+
+
 def test_close_from_another_thread_stops_a_run_waiting_for_its_actors(ray_instance):
     """A run waiting for actors Ray cannot place (the case a user closes it from another
     thread for) stops on close(), as the run's loop does (the seed check's wait did not

@@ -8,6 +8,7 @@ import importlib.util
 import os
 import pathlib
 import random
+import re
 import threading
 import time
 
@@ -313,7 +314,10 @@ def test_wrong_policy_chunk_size_names_policy_worker():
         runner.run()
     assert info.value.worker == "policy_worker"
     assert info.value.key is not None and info.value.key[4] == 0
-    assert "actions" in str(info.value) and "STRUCTURE_MISMATCH" in repr(info.value.cause.code)
+    # Refused as the call returned it, before its rows are split among the ranks.
+    assert isinstance(info.value.cause, ValueError)
+    assert re.search(r"PolicyOutput\.actions of shape \(\d+, 3, 2\) for its \d+ rows: each "
+                     r"row's actions must be \(4, 2\)", str(info.value))
     assert runner_threads() == []
     assert len(collector.missing()) == 2 * RANKS * E * T  # nothing bad got in
 
@@ -725,6 +729,14 @@ def test_run_returns_items_by_env_rank_and_stack_ranks_stacks_one_step():
         np.testing.assert_array_equal(np.asarray(batch.rewards)[r], np.asarray(ref[(0, r)].rewards))
     with pytest.raises(ValueError, match="several training steps"):
         stack_ranks(items + [("default", ref[(0, 0)].replace(step_id=np.int32(1)))])
+    # The stack's episodes list each rank's, with its index (to_list failed on them).
+    stacked = batch.episodes.to_list()
+    assert len(stacked) == sum(int(tr.episodes.count()) for _, tr in items) > 0
+    for r, (_, tr) in enumerate(items):
+        assert [{k: v for k, v in e.items() if k != "item"} for e in stacked
+                if e["item"] == r] == tr.episodes.to_list()
+    with pytest.raises(ValueError, match=r"are no flush's"):
+        batch.episodes.replace(env_rank=np.zeros((RANKS, 1, 1), np.int32)).to_list()
 
 
 def test_env_ranks_the_collector_does_not_own_are_refused_before_any_env_is_built():

@@ -283,7 +283,8 @@ class EnvWorker:
         for k, rng in zip(keys, rngs):
             key = TrajectoryKey(*k)
             output = checked_policy_output(self.policy_fn(params, self.obs, rng), bsz,
-                                           self.plan.nonfinite == "reject")
+                                           self.plan.nonfinite == "reject",
+                                           action_spec(self.layout))
             output = stamp_versions(output, version, self.stamp)
             policy = PolicyPart(TrajectorySource(key, bsz, 0), self.obs, output)
             step = self.env.step(key, output.actions)
@@ -1259,7 +1260,8 @@ class RayRunner:
             obs, rng = join_rows([w.obs for w in batch], [self._rngs(k) for k in keys],
                                  self._slots)
             output = checked_policy_output(self.policy_fn(params, obs, rng),
-                                           self._slots * bsz, self.plan.nonfinite == "reject")
+                                           self._slots * bsz, self.plan.nonfinite == "reject",
+                                           self._action_spec)
             # The actors step while the rest of the output is made into policy halves.
             actions = sendable_actions(output, self._action_spec, self._slots)
         except Exception as exc:

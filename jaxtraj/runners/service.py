@@ -456,9 +456,9 @@ def stack_ranks(items: list[tuple[str, Any]]) -> Any:
         batch = jaxtraj.runners.service.stack_ranks(items)  # leaves [R, E, T, B, ...]
         targets = jax.vmap(lambda tr: jaxtraj.trajectory_targets(plan, tr))(batch)
 
-    Targets are computed rank by rank (``jax.vmap`` over the new axis, as above); read
-    episode statistics from the items themselves (``tr.episodes.to_list()``), as the
-    stacked ``episodes`` carry the rank axis too.
+    Targets are computed rank by rank (``jax.vmap`` over the new axis, as above);
+    ``batch.episodes.to_list()`` lists every item's episodes, each with its index in the
+    stack (``item``).
 
     Raises:
       ValueError: the items mix training steps, or their structures differ.
@@ -511,14 +511,17 @@ def sendable_actions(output: PolicyOutput, spec: tuple, chunks: int) -> np.ndarr
     return None
 
 
-def checked_policy_output(output: Any, rows: int, finite: bool = True) -> PolicyOutput:
+def checked_policy_output(
+    output: Any, rows: int, finite: bool = True, spec: tuple | None = None
+) -> PolicyOutput:
     """``policy_fn``'s return, refused unless it is a :class:`~jaxtraj.PolicyOutput` with
     a row for each of the ``rows`` it was given on every field (a call's rows: its ranks'
-    ``B`` each, padded to ``max_batch * B``) and, with ``finite`` (the plan's
+    ``B`` each, padded to ``max_batch * B``), actions of the layout's shape a row (where
+    ``spec``, :func:`action_spec`'s, is given) and, with ``finite`` (the plan's
     ``nonfinite="reject"``), finite actions: a ``TypeError`` / ``ValueError`` saying what
-    it returned, before its rows are split among the ranks (whose checks could only say
-    that one rank's slice came out short) and before an env steps a NaN (whose rewards
-    would then be refused, blaming the env)."""
+    it returned, before its rows are split among the ranks (whose checks could only name
+    one rank's slice) and before an env steps a NaN (whose rewards would then be refused,
+    blaming the env)."""
     if not isinstance(output, PolicyOutput):
         raise TypeError(
             f"policy_fn returned a {type(output).__name__}: it must return a "
@@ -535,6 +538,16 @@ def checked_policy_output(output: Any, rows: int, finite: bool = True) -> Policy
                 "ranks of B rows, padded to max_batch * B; a policy written for one rank's "
                 "B rows gets more)"
             )
+    row = None if spec is None else tuple(spec[0][1:])
+    if row is not None and tuple(np.shape(output.actions)[1:]) != row:
+        shape = tuple(np.shape(output.actions))
+        flat = " (flat actions [N, K * A]: reshape them to [N, K, A])" if (
+            int(np.prod(shape[1:])) == int(np.prod(row))) else ""
+        raise ValueError(
+            f"policy_fn returned PolicyOutput.actions of shape {shape} for its {rows} rows: "
+            f"each row's actions must be {row}, the plan's chunk of K = {row[0]} actions "
+            f"as the env takes them{flat}"
+        )
     if not finite:
         return output
     actions = np.asarray(output.actions)

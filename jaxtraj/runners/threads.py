@@ -873,7 +873,7 @@ class AsyncRunner:
         obs, rng = join_rows([o for _, _, o in batch], [self._rng(k) for _, k, _ in batch],
                              self._slots)
         output = checked_policy_output(self.policy_fn(params, obs, rng), self._slots * bsz,
-                                       self.plan.nonfinite == "reject")
+                                       self.plan.nonfinite == "reject", self._action_spec)
         # The envs step while the rest of the output is made into policy halves.
         actions = sendable_actions(output, self._action_spec, self._slots)
         if actions is not None:
