@@ -347,7 +347,8 @@ def per_rank_policy(params, obs, rng):
     (lambda p, o, r: (policy_fn(p, o, r).actions, None),
      r"policy_fn returned a tuple: it must return a jaxtraj\.PolicyOutput"),
     (flat_actions, r"policy_fn returned PolicyOutput\.actions of shape \(8, \d+\) for its 8 "
-                   r"rows: each row's actions must be \(4, \d+\).* reshape them to \[N, K, A\]"),
+                   r"rows: each row's actions must be of shape \(4, \d+\) \(the plan's K = 4 "
+                   r"actions a chunk, as the env takes them\): reshape them to \(8, 4, \d+\)"),
     (nan_row_5, r"policy_fn returned non-finite actions \(rows \[5\] of 8: nan\); none "
                 r"reached an env"),
 ])
@@ -463,6 +464,29 @@ def test_waiting_for_a_step_in_flight_does_not_spin_on_an_ended_env():
         cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
     assert wall > 1.2  # it waited for rank 1's step in flight
     assert cpu < 0.5 * wall, f"the learner spun: {cpu:.2f} s of CPU in {wall:.2f} s"
+
+
+@pytest.mark.parametrize("layout, returned, message", [
+    ((3, 2), (6,), r"must be of shape \(3, 2\) \(the plan's K = 3 .*: reshape them to \(4, 3, 2\)"),
+    ((6,), (3, 2), r"must be of shape \(6,\) \(the plan's K = 3 .*: reshape them to \(4, 6\)"),
+    ((2,), (1, 2), r"must be of shape \(2,\) \(the plan's K = 1 .*: reshape them to \(4, 2\)"),
+    ((), (1,), r"must be of shape \(\) \(the plan's K = 1 .*: reshape them to \(4,\)"),
+    ((3, 2), (3, 3), r"must be of shape \(3, 2\) \(the plan's K = 3 [^:]*$"),
+])
+def test_actions_of_another_shape_a_row_are_named_with_the_layouts_k(layout, returned, message):
+    """Chunked [B, K, A], flat [B, K * A], K = 1 [B, A] and scalar [B] layouts: K is the
+    layout's, and the reshape offered is to its shape (from a review: a flat layout was
+    told to reshape to [N, K, A], K read off the row's first axis, [B] an IndexError)."""
+    from jaxtraj import PolicyOutput
+    from jaxtraj.runners.service import checked_policy_output
+
+    k = 3 if layout in ((3, 2), (6,)) else 1
+    good = PolicyOutput(actions=np.zeros((4, *layout), np.float32))
+    assert checked_policy_output(good, 4, per_row=(layout, k)) is good
+    with pytest.raises(ValueError, match=rf"PolicyOutput\.actions of shape \(4, "
+                       rf"{', '.join(map(str, returned))},?\) for its 4 rows: each row's actions " + message):
+        checked_policy_output(PolicyOutput(actions=np.zeros((4, *returned), np.float32)), 4,
+                              per_row=(layout, k))
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, "bfloat16"])

@@ -1475,8 +1475,24 @@ def test_flat_actions_are_named_as_the_policy_returned_them(ray_instance, policy
                      num_steps=1) as runner:
         with pytest.raises(RunnerError, match=rf"PolicyOutput\.actions of shape \({rows}, "
                            rf"{K * A}\) for its {rows} rows: each row's actions must be "
-                           rf"\({K}, {A}\).*reshape them to \[N, K, A\]"):
+                           rf"of shape \({K}, {A}\) .*: reshape them to \({rows}, {K}, {A}\)"):
             runner.run()
+
+
+def test_an_env_worker_in_process_without_a_layout_runs_unchecked_shapes():
+    """EnvWorker is a plain class, usable in-process; with no layout (its default) it has
+    no action shape to check against and runs as before (from a review: the new check
+    read the missing layout)."""
+    from jaxtraj.runners.ray import EnvWorker
+    from jaxtraj.runners.service import key_rng, row_rngs
+
+    plan = TrajectoryPlan(num_chunks=T, batch_size=B)
+    worker = EnvWorker(PointEnv, 0, plan, policy_fn=policy_fn, stamp=False)
+    worker.reset()
+    key = TrajectoryKey(0, 0, 0, 0, 0)
+    out, _ = worker.run([key.as_tuple()], [np.asarray(row_rngs(key_rng(0, key), B))], PARAMS, 0)
+    (policy, env), = out
+    assert np.shape(policy.output.actions) == (B, K, A) and env.source.key == key
 
 
 def test_close_from_another_thread_stops_a_run_waiting_for_its_actors(ray_instance):

@@ -317,7 +317,7 @@ def test_wrong_policy_chunk_size_names_policy_worker():
     # Refused as the call returned it, before its rows are split among the ranks.
     assert isinstance(info.value.cause, ValueError)
     assert re.search(r"PolicyOutput\.actions of shape \(\d+, 3, 2\) for its \d+ rows: each "
-                     r"row's actions must be \(4, 2\)", str(info.value))
+                     r"row's actions must be of shape \(4, 2\)", str(info.value))
     assert runner_threads() == []
     assert len(collector.missing()) == 2 * RANKS * E * T  # nothing bad got in
 

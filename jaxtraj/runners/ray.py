@@ -120,6 +120,7 @@ from jaxtraj.runners.service import (
     StepRngs,
     ValueFn,
     _Due,
+    action_rows,
     action_spec,
     check_env_ranks,
     check_run_start,
@@ -207,6 +208,8 @@ class EnvWorker:
         self.env, self.plan = env_fn(env_rank), plan
         self.policy_fn, self.stamp = policy_fn, stamp
         self.value_fn, self.layout = value_fn, layout
+        # what a row of the policy's actions must be (checked where a layout is given)
+        self._action_rows = None if layout is None else action_rows(layout)
         self.obs: PyTree = None
         self.prev = None  # the last chunk's EnvTransition (chunk 0 carries its flags)
         # Reset or restored by the learner: until then a step is refused (an actor Ray
@@ -283,8 +286,7 @@ class EnvWorker:
         for k, rng in zip(keys, rngs):
             key = TrajectoryKey(*k)
             output = checked_policy_output(self.policy_fn(params, self.obs, rng), bsz,
-                                           self.plan.nonfinite == "reject",
-                                           action_spec(self.layout))
+                                           self.plan.nonfinite == "reject", self._action_rows)
             output = stamp_versions(output, version, self.stamp)
             policy = PolicyPart(TrajectorySource(key, bsz, 0), self.obs, output)
             step = self.env.step(key, output.actions)
@@ -777,6 +779,7 @@ class RayRunner:
         self._lock = threading.Lock()
         self._stamp = collector.layout.policy.output.versions is not None
         self._action_spec = action_spec(collector.layout)
+        self._action_rows = action_rows(collector.layout)
         self._obs_check = ObservationCheck(collector)
         self._ranks = [_Rank(i, r) for i, r in enumerate(self.env_ranks)]
         self._consumer = Consumer(collector, on_flush, output_queue)
@@ -1261,7 +1264,7 @@ class RayRunner:
                                  self._slots)
             output = checked_policy_output(self.policy_fn(params, obs, rng),
                                            self._slots * bsz, self.plan.nonfinite == "reject",
-                                           self._action_spec)
+                                           self._action_rows)
             # The actors step while the rest of the output is made into policy halves.
             actions = sendable_actions(output, self._action_spec, self._slots)
         except Exception as exc:

@@ -511,14 +511,21 @@ def sendable_actions(output: PolicyOutput, spec: tuple, chunks: int) -> np.ndarr
     return None
 
 
+def action_rows(layout: Any) -> tuple[tuple[int, ...], int]:
+    """What a row of a policy call's actions must be under the collector's layout:
+    ``(its shape, K)``."""
+    like = layout.policy.output.actions
+    return tuple(like.shape[layout.lead + 1 :]), layout.actions_per_chunk
+
+
 def checked_policy_output(
-    output: Any, rows: int, finite: bool = True, spec: tuple | None = None
+    output: Any, rows: int, finite: bool = True, per_row: tuple | None = None
 ) -> PolicyOutput:
     """``policy_fn``'s return, refused unless it is a :class:`~jaxtraj.PolicyOutput` with
     a row for each of the ``rows`` it was given on every field (a call's rows: its ranks'
     ``B`` each, padded to ``max_batch * B``), actions of the layout's shape a row (where
-    ``spec``, :func:`action_spec`'s, is given) and, with ``finite`` (the plan's
-    ``nonfinite="reject"``), finite actions: a ``TypeError`` / ``ValueError`` saying what
+    ``per_row``, :func:`action_rows`' ``(shape, K)``, is given) and, with ``finite``
+    (the plan's ``nonfinite="reject"``), finite actions: a ``TypeError`` / ``ValueError`` saying what
     it returned, before its rows are split among the ranks (whose checks could only name
     one rank's slice) and before an env steps a NaN (whose rewards would then be refused,
     blaming the env)."""
@@ -538,15 +545,15 @@ def checked_policy_output(
                 "ranks of B rows, padded to max_batch * B; a policy written for one rank's "
                 "B rows gets more)"
             )
-    row = None if spec is None else tuple(spec[0][1:])
-    if row is not None and tuple(np.shape(output.actions)[1:]) != row:
+    if per_row is not None and tuple(np.shape(output.actions)[1:]) != per_row[0]:
+        row, k = per_row
         shape = tuple(np.shape(output.actions))
-        flat = " (flat actions [N, K * A]: reshape them to [N, K, A])" if (
-            int(np.prod(shape[1:])) == int(np.prod(row))) else ""
+        fix = (f": reshape them to {(rows, *row)}"
+               if int(np.prod(shape[1:])) == int(np.prod(row)) else "")
         raise ValueError(
             f"policy_fn returned PolicyOutput.actions of shape {shape} for its {rows} rows: "
-            f"each row's actions must be {row}, the plan's chunk of K = {row[0]} actions "
-            f"as the env takes them{flat}"
+            f"each row's actions must be of shape {row} (the plan's K = {k} actions a "
+            f"chunk, as the env takes them){fix}"
         )
     if not finite:
         return output

@@ -83,6 +83,7 @@ from jaxtraj.runners.service import (  # noqa: F401  (re-exported: the public na
     StepRngs,
     ValueFn,
     _Due,
+    action_rows,
     action_spec,
     check_env,
     check_env_ranks,
@@ -326,6 +327,7 @@ class AsyncRunner:
         self._obs_check = ObservationCheck(collector)  # once per observation signature
         self._stamp = self._layout.policy.output.versions is not None
         self._action_spec = action_spec(self._layout)
+        self._action_rows = action_rows(self._layout)
         # Per env: (observation, last chunk's transition) where the last run left it.
         self._carry: list[tuple[PyTree, Any] | None] = [None] * len(self.envs)
         self._rng_steps = StepRngs(self.plan, seed, self.env_ranks, stage_id)
@@ -873,7 +875,7 @@ class AsyncRunner:
         obs, rng = join_rows([o for _, _, o in batch], [self._rng(k) for _, k, _ in batch],
                              self._slots)
         output = checked_policy_output(self.policy_fn(params, obs, rng), self._slots * bsz,
-                                       self.plan.nonfinite == "reject", self._action_spec)
+                                       self.plan.nonfinite == "reject", self._action_rows)
         # The envs step while the rest of the output is made into policy halves.
         actions = sendable_actions(output, self._action_spec, self._slots)
         if actions is not None:
