@@ -1,6 +1,7 @@
 """Episode statistics: the episodes that ended in a flush, from the environment's rewards.
 
-Every flush (rollout, pipeline, lerobot) reports the episodes that ended in it: per
+Every rollout and pipeline flush reports the episodes that ended in it (LeRobot mode
+hands over the episodes themselves, :mod:`jaxtraj.episodes`): per
 episode its return (the sum of the environment's rewards, ``EnvTransition.rewards`` as the
 environment gave them: no weights, no reward model, no truncation bootstrap), its length
 in executed actions, whether it succeeded (any ``EnvTransition.success`` in it), and
