@@ -13,7 +13,19 @@ import time
 import jax
 import numpy as np
 import pytest
-from test_runners_threads import PARAMS, RANKS, B, PointEnv, make_collector, policy_fn, value_fn
+from test_runners_threads import (
+    PARAMS,
+    RANKS,
+    B,
+    E,
+    PointEnv,
+    T,
+    assert_same,
+    make_collector,
+    policy_fn,
+    sync_reference,
+    value_fn,
+)
 
 from jaxtraj import CollectorError
 from jaxtraj.runners.service import Consumer
@@ -529,3 +541,40 @@ def test_an_env_whose_observation_is_refused_steps_no_further(monkeypatch):
         with pytest.raises(RunnerError, match="observation"):
             runner.run()
     assert (0, 0, 0, 0, 1) in made and after not in made
+
+
+class LateFailure(PointEnv):
+    """Fails at ``fail_at`` after ``wait_s``: the other ranks' step is complete by then."""
+
+    def __init__(self, rank, fail_at, wait_s):
+        super().__init__(rank, fail_at=fail_at)
+        self.wait_s = wait_s
+
+    def step(self, key, actions):
+        if key.as_tuple() == self.fail_at:
+            time.sleep(self.wait_s)
+        return super().step(key, actions)
+
+
+@pytest.mark.parametrize("workers", ["thread", "process"])
+@pytest.mark.parametrize("cls", [AsyncRunner, DecoupledRunner])
+def test_the_items_a_failed_run_would_have_returned_are_on_the_error(cls, workers):
+    """Rank 0's step is complete (flushed: out of the collector) when rank 1 fails: its
+    trajectory is on the error's undelivered, not lost with run()'s return (from a
+    newcomer's trial: it was only in the runner's private consumer)."""
+    last = (0, E - 1, 1, 0, T - 1)
+    envs = [functools.partial(PointEnv, 0),
+            functools.partial(LateFailure, 1, fail_at=last, wait_s=1.0)]
+    collector = make_collector()
+    with cls(collector, envs, policy_fn, PARAMS, env_workers=workers) as runner:
+        with pytest.raises(RunnerError, match="simulator crashed") as info:
+            runner.run()
+    err = info.value
+    assert err.worker == "env_worker_1" and err.key == last
+    (queue_key, item), = err.undelivered
+    assert queue_key == "default" and int(item.env_rank) == 0 and int(item.step_id) == 0
+    assert err.delivered == 0
+    assert "1 flushed item(s) not delivered" in str(err)
+    assert (last, "env", B) in collector.missing()  # the failed chunk's half only
+    if cls is AsyncRunner:  # the same trajectory as a run that succeeds
+        assert_same(item, sync_reference(1)[(0, 0)])

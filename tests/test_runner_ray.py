@@ -396,6 +396,36 @@ def test_environment_exception_names_worker_and_key(ray_instance, transport):
     assert "simulator crashed" in str(info.value) and runner.restarts == 0
 
 
+def _env_failing_late(rank, fail_at):
+    """Rank ``fail_at[2]`` raises at ``fail_at`` a second late: the other's step is in."""
+
+    class Late(PointEnv):
+        def step(self, key, actions):
+            if key.as_tuple() == fail_at:
+                time.sleep(1.0)
+            return super().step(key, actions)
+
+    return Late(rank, raise_at=fail_at if rank == fail_at[2] else None)
+
+
+@pytest.mark.parametrize("transport", ["ray", "direct"])
+def test_the_items_a_failed_run_would_have_returned_are_on_the_error(
+    ray_instance, reference, transport
+):
+    """As the threaded runners: rank 0's step 0, complete and flushed when rank 1 fails,
+    is on the error's undelivered (it was lost with run()'s return)."""
+    fail = (0, E - 1, 1, 0, T - 1)
+    env_fn = functools.partial(_env_failing_late, fail_at=fail)
+    with ray_runner(make_collector(), env_fn, num_steps=1, transport=transport) as runner:
+        with pytest.raises(RunnerError, match="simulator crashed") as info:
+            runner.run()
+    err = info.value
+    assert err.worker == "env_worker_1" and err.key == fail and err.delivered == 0
+    (queue_key, item), = err.undelivered
+    assert queue_key == "default"
+    assert_same(item, reference[(0, 0)])
+
+
 def _env_failing_to_build(rank):
     if rank == 1:
         raise OSError("no licence for the simulator")

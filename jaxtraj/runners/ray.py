@@ -51,7 +51,8 @@ killed, so Ray restarts it and it redoes its chunk. At the end of a run the runn
 with ``collector.missing()`` that no half of the collected steps is missing. A worker that fails more than
 ``max_restarts`` times, or whose environment raises, stops the run: every actor is
 shut down, the results already returned are inserted, and :class:`RunnerError` names
-the worker and the key; what was collected stays in the collector. ``close()`` (or the
+the worker and the key; what was collected stays in the collector, or, flushed, on the
+error's ``undelivered``. ``close()`` (or the
 context manager) and a ``KeyboardInterrupt`` in :meth:`RayRunner.run` shut every actor
 down.
 """
@@ -970,7 +971,9 @@ class RayRunner:
 
         Raises:
           RunnerError: a worker failed for good, or the collector rejected a half;
-            every actor is shut down first; what was collected stays in the collector.
+            every actor is shut down first; what was collected stays in the collector,
+            or, flushed, on the error's ``undelivered`` (the items this call would have
+            returned).
         """
         n = self.num_steps if num_steps is None else checked_num_steps(num_steps)
         try:
@@ -1012,7 +1015,8 @@ class RayRunner:
                 if self._close_asked:
                     raise RunnerError("runner", None, RuntimeError(
                         "close() was called during run(): the run stopped, its actors shut "
-                        "down; what was collected is in the collector"), consumer.delivered)
+                        "down; what was collected is in the collector, or, flushed, on this "
+                        "error's undelivered"), consumer.delivered)
                 now = time.monotonic()
                 self._warn_unstarted(now)
                 for w in self._ranks:
@@ -1066,11 +1070,13 @@ class RayRunner:
                 self.close()
             if isinstance(exc, KeyboardInterrupt):
                 raise
-            if isinstance(exc, RunnerError):  # with what the drain could not deliver too
-                raise RunnerError(exc.worker, exc.key, exc.cause, consumer.delivered,
-                                  consumer.undelivered, exc.what) from exc.cause
-            raise RunnerError("consumer", None, exc, consumer.delivered,
-                              consumer.undelivered) from exc
+            # With what the drain could not deliver, and the items run() would have
+            # returned (flushed: out of the collector).
+            delivered, unhanded = consumer.failed_run()
+            if isinstance(exc, RunnerError):
+                raise RunnerError(exc.worker, exc.key, exc.cause, delivered, unhanded,
+                                  exc.what) from exc.cause
+            raise RunnerError("consumer", None, exc, delivered, unhanded) from exc
         self.step_id += n
         return rank_order(consumer.kept)
 

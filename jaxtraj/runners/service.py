@@ -63,12 +63,15 @@ class RunnerError(RuntimeError):
       key: the ``(step_id, epoch_id, env_rank, stage_id, chunk_id)`` it was working on,
         or ``None``.
       cause: the original exception (also ``__cause__``).
-      delivered: how many flushed items were delivered before the failure.
+      delivered: how many flushed items were delivered (to ``on_flush`` or
+        ``output_queue``) before the failure.
       what: what it failed on where that is not a chunk (a flushed item: ``"queue
         'default', step 3, env rank 1"``), or ``None``.
-      undelivered: the ``(queue_key, item)`` pairs the collector flushed that were not
-        delivered (``on_flush`` raised, or the run stopped while ``output_queue`` was
-        full), in flush order: out of the collector, so only here.
+      undelivered: the ``(queue_key, item)`` pairs the collector flushed that the run
+        did not hand over, in flush order: the items ``run()`` would have returned (a
+        rank's step complete before the failure), or those not delivered (``on_flush``
+        raised, or the run stopped while ``output_queue`` was full). Out of the
+        collector, so only here.
     """
 
     def __init__(self, worker: str, key: tuple | None, cause: BaseException, delivered: int = 0,
@@ -901,6 +904,13 @@ class Consumer:
                     self._add(w, p)
                 except Exception:  # noqa: BLE001  (rejected: it changed nothing)
                     continue
+
+    def failed_run(self) -> tuple[int, list[tuple[str, Any]]]:
+        """A failed run's hand-over: ``(items delivered, the items flushed and not
+        handed over)``, the latter in flush order: those kept for ``run()``'s return
+        (which it does not make), then those not delivered (on :class:`RunnerError`'s
+        ``undelivered``: out of the collector, so only there)."""
+        return self.delivered - len(self.kept), self.kept + self.undelivered
 
     def deliver(self, item: tuple[str, Any]) -> None:
         if self.on_flush is not None:

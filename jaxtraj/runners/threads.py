@@ -30,7 +30,8 @@ others within ~50 ms. The first failure wins: :meth:`run` drains the parts alrea
 published by healthy workers into the collector (their flushes are delivered), joins
 every thread, and raises :class:`RunnerError` naming the worker and the key it was
 working on. What was collected stays in the collector (``collector.missing()`` lists
-what the interrupted step still waits for). A ``KeyboardInterrupt`` in ``run`` stops
+what the interrupted step still waits for), or, flushed (the items ``run`` would have
+returned, or not delivered), on the error's ``undelivered``. A ``KeyboardInterrupt`` in ``run`` stops
 the workers the same way and is re-raised.
 
 The policy worker batches: one ``policy_fn`` call serves every env rank whose
@@ -379,7 +380,8 @@ class AsyncRunner:
         Raises:
           RunnerError: a worker (or the collector, on a rejected part) failed; all
             threads are stopped and joined first. What was collected stays in the
-            collector. The runner cannot run again after it (its environments are
+            collector, or, flushed, on the error's ``undelivered`` (the items this call
+            would have returned). The runner cannot run again after it (its environments are
             mid-step): a later call raises ``RuntimeError`` saying so.
         """
         n = self.num_steps if num_steps is None else checked_num_steps(num_steps)
@@ -392,7 +394,8 @@ class AsyncRunner:
                 f"this runner's last run failed ({self._broken}): its environments are "
                 "mid-step, out of step with the collector, so it cannot continue. What was "
                 "collected is in the collector (collector.missing() lists what the step "
-                "waits for); build a new runner, and a new collector or a restored checkpoint"
+                "waits for) or on its RunnerError's undelivered; build a new runner, and a "
+                "new collector or a restored checkpoint"
             )
         check_run_start(self.collector, self.env_ranks, self.stage_id, self.step_id, n)
         for env, r in zip(self.envs, self.env_ranks):
@@ -496,8 +499,8 @@ class AsyncRunner:
             self._drain()  # a KeyboardInterrupt in it leaves the runner marked broken
             if isinstance(exc, KeyboardInterrupt):
                 raise exc
-            raise RunnerError(worker, key, exc, self.delivered, consumer.undelivered,
-                              self._failed_on) from exc
+            delivered, unhanded = consumer.failed_run()  # run()'s items go on the error
+            raise RunnerError(worker, key, exc, delivered, unhanded, self._failed_on) from exc
         self.step_id += n
         return rank_order(consumer.kept)
 
