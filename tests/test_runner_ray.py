@@ -426,6 +426,20 @@ def test_the_items_a_failed_run_would_have_returned_are_on_the_error(
     assert_same(item, reference[(0, 0)])
 
 
+def _unwrapped_gymnasium(rank):
+    import gymnasium as gym
+
+    return gym.make_vec("CartPole-v1", num_envs=B, vectorization_mode="sync")
+
+
+def test_an_unwrapped_gymnasium_env_is_refused_naming_the_adapter(ray_instance):
+    """As the threaded runners: the actor refuses it as it is built."""
+    runner = ray_runner(make_collector(), _unwrapped_gymnasium, num_steps=1, max_restarts=0)
+    with pytest.raises(RunnerError, match=r"env_worker_\d.*got a gymnasium env "
+                       r"\(SyncVectorEnv\).*wrap it in jaxtraj\.envs\.GymnasiumEnv"):
+        runner.run()
+
+
 def _env_failing_to_build(rank):
     if rank == 1:
         raise OSError("no licence for the simulator")

@@ -758,6 +758,30 @@ def test_env_ranks_the_collector_does_not_own_are_refused_before_any_env_is_buil
     assert built == []
 
 
+@pytest.mark.parametrize("how", ["thread", "process", "built"])
+def test_an_unwrapped_gymnasium_or_envpool_env_is_refused_naming_its_adapter(how):
+    """A factory (or env) giving a gymnasium vector env instead of GymnasiumEnv: refused
+    as the runner is built, naming the rank and the adapter (from a newcomer's trial: it
+    ran, and the first observation was refused, naming neither)."""
+    gym = pytest.importorskip("gymnasium")
+    cases = [(functools.partial(gym.make_vec, "CartPole-v1", num_envs=B,
+                                vectorization_mode="sync"), "a gymnasium", "GymnasiumEnv")]
+    if importlib.util.find_spec("envpool") is not None:
+        import envpool
+
+        cases.append((functools.partial(envpool.make, "CartPole-v1", env_type="gymnasium",
+                                        num_envs=B), "an EnvPool", "EnvPoolEnv"))
+    for factory, what, adapter in cases:
+        env = factory() if how == "built" else factory
+        workers = "process" if how == "process" else "thread"
+        with pytest.raises(RunnerError, match=rf"env_worker_1.*got {what} env .*wrap it in "
+                           rf"jaxtraj\.envs\.{adapter}\(\.\.\., actions_per_chunk=K\)"):
+            AsyncRunner(make_collector(), [PointEnv(0) if how == "built" else
+                                           functools.partial(PointEnv, 0), env],
+                        policy_fn, PARAMS, env_workers=workers)
+        assert runner_threads() == [] and jaxtraj_children() == []
+
+
 def test_env_factories_run_in_a_thread_of_their_own_and_bad_ones_name_the_rank():
     from jaxtraj.runners.bound import ThreadBoundEnv
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import inspect
 import multiprocessing
 import os
 import pickle
@@ -47,6 +48,50 @@ def is_factory(env: Any) -> bool:
     """A callable that is not itself an environment (no ``step``), or an env class (its
     ``step`` unbound): an env factory."""
     return callable(env) and (isinstance(env, type) or not callable(getattr(env, "step", None)))
+
+
+def checked_env(env: Any, name: str, built: bool = False) -> Any:
+    """``env`` (a factory's, or given ``built``), refused (``TypeError`` naming ``name``
+    and what to do) where it is no runner env: it has no ``reset()`` / ``step()``, or it
+    is a gymnasium or EnvPool env not wrapped in its adapter (its ``step(action)`` steps
+    once, with no chunk key: its ``(obs, info)`` would be refused at the first
+    observation, naming neither)."""
+    missing = [m for m in ("reset", "step") if not callable(getattr(env, m, None))]
+    if missing:
+        got = "was given" if built else "the env factory returned"
+        raise TypeError(
+            f"{name}: {got} {type(env).__name__}, not an environment "
+            f"(it has no {' or '.join(missing)}()): return an env such as "
+            "jaxtraj.envs.GymnasiumEnv(...)"
+        )
+    origins = {c.__module__.split(".")[0] for c in type(env).__mro__}
+    library = next((lib for lib in ("envpool", "gymnasium", "gym") if lib in origins), None)
+    # An EnvPool pool (step(action, env_id=None)), or a gymnasium env: step(action), where
+    # a runner env's is step(key, actions).
+    if library == "envpool" or (library is not None and _positional(env.step) < 2):
+        adapter = "EnvPoolEnv" if library == "envpool" else "GymnasiumEnv"
+        raise TypeError(
+            f"{name}: got {_LIBRARIES[library]} env ({type(env).__name__}), whose "
+            "step(action) steps "
+            f"once: wrap it in jaxtraj.envs.{adapter}(..., actions_per_chunk=K) (or build "
+            f"it with jaxtraj.envs.{adapter}.make(...)), which steps K actions a chunk"
+        )
+    return env
+
+
+_LIBRARIES = {"envpool": "an EnvPool", "gymnasium": "a gymnasium", "gym": "a gym"}
+
+
+def _positional(fn: Any) -> int:
+    """How many positional arguments ``fn`` takes (many, where it takes ``*args`` or
+    cannot say)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return 2
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return 2
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
 
 
 class _Bound:
@@ -119,14 +164,7 @@ class ThreadBoundEnv(_Bound):
 
     def _serve(self, factory: Callable[[], Any], ready: queue.SimpleQueue) -> None:
         try:
-            env = factory()
-            missing = [m for m in ("reset", "step") if not callable(getattr(env, m, None))]
-            if missing:
-                raise TypeError(
-                    f"{self.name}: the env factory returned {type(env).__name__}, not an "
-                    f"environment (it has no {' or '.join(missing)}()): return an env such as "
-                    "jaxtraj.envs.GymnasiumEnv(...)"
-                )
+            env = checked_env(factory(), self.name)
         except BaseException as exc:  # noqa: BLE001 (handed to the caller)
             ready.put((False, exc))
             return
@@ -581,14 +619,7 @@ def _env_process(conn: Any, payload: bytes, name: str) -> None:
         _send_reply(conn, (ok, value, share), f"the runner's process ({name})")
 
     try:
-        env = pickle.loads(payload)()
-        missing = [m for m in ("reset", "step") if not callable(getattr(env, m, None))]
-        if missing:
-            raise TypeError(
-                f"{name}: the env factory returned {type(env).__name__}, not an environment "
-                f"(it has no {' or '.join(missing)}()): return an env such as "
-                "jaxtraj.envs.GymnasiumEnv(...)"
-            )
+        env = checked_env(pickle.loads(payload)(), name)
     except BaseException as exc:  # noqa: BLE001 (handed to the parent)
         reply(False, _portable(exc, traceback.format_exc()))
         return

@@ -109,6 +109,7 @@ from jaxtraj.runners.bound import (
     _step_request,
     _StepReaders,
     _StepReplies,
+    checked_env,
 )
 from jaxtraj.runners.service import (
     Consumer,
@@ -206,7 +207,7 @@ class EnvWorker:
     ):
         if sched_batch:  # before env_fn: the env's own threads inherit it
             _batch_scheduling()
-        self.env, self.plan = env_fn(env_rank), plan
+        self.env, self.plan = checked_env(env_fn(env_rank), f"env_worker_{env_rank}"), plan
         self.policy_fn, self.stamp = policy_fn, stamp
         self.value_fn, self.layout = value_fn, layout
         # what a row of the policy's actions must be (checked where a layout is given)

@@ -71,6 +71,7 @@ from jaxtraj.runners.bound import (
     ProcessBoundEnv,
     ThreadBoundEnv,
     _Bound,
+    checked_env,
     is_factory,
 )
 from jaxtraj.runners.service import (  # noqa: F401  (re-exported: the public names)
@@ -134,8 +135,9 @@ class AsyncRunner:
         During a run that thread runs the rank's worker loop (a chunk's step is a direct
         call); a call to the env from another thread meanwhile (``runner.envs[r].render()``
         in an ``on_flush``) is served there between chunks.
-        A factory that raises, or returns something that is not an env, is a
-        :class:`RunnerError` naming the rank; the ranks built before it are closed.
+        A factory that raises, or returns something that is not an env (a gymnasium
+        or EnvPool env not wrapped in its adapter included), is a :class:`RunnerError`
+        naming the rank; the ranks built before it are closed.
         :attr:`envs` holds them, one per rank, those built from factories wrapped
         (their methods run where the env lives). An env rank the collector does not own
         (more envs than the plan's ``num_env_ranks``), or one given twice, is a
@@ -535,7 +537,10 @@ class AsyncRunner:
                     f"rank {rank} a factory (a picklable callable returning the env), not "
                     f"a built {type(env).__name__}"
                 ))
-            return env
+            try:
+                return checked_env(env, name, built=True)
+            except TypeError as exc:
+                raise RunnerError(name, None, exc) from exc
         try:
             if self.env_workers == "process":  # built in parallel: see wait_built
                 return ProcessBoundEnv(env, name, wait=False)
