@@ -346,11 +346,13 @@ class TrajectoryCollector:
             it (``missing()`` says what it waits for), then call again.
         """
         complete = self.ready()
-        if complete:  # auto_flush=False: complete scopes wait for flush()
+        if complete:  # auto_flush=False, or an auto-flush that failed: they wait for flush()
+            why = ("auto_flush=False" if not self.auto_flush else
+                   "their auto-flush failed: the error it raised says why")
             raise CollectorError(
                 None,
                 ErrorCode.INCOMPLETE_SCOPE,
-                f"scopes {complete} are complete but not flushed (auto_flush=False): "
+                f"scopes {complete} are complete but not flushed ({why}): "
                 "flush() them before end()",
             )
         m = self.mirror  # halves received in epochs not flushed yet: they would be lost

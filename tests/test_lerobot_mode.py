@@ -128,6 +128,11 @@ def test_overflow_is_an_error_or_a_truncation():
         c.add(parts[-1])
     assert info.value.code == ErrorCode.EPISODE_OVERFLOW
     np.testing.assert_array_equal(np.asarray(c.mode_states[0].length), before)  # nothing changed
+    # end() says the step waits for a flush because its auto-flush failed (it had blamed
+    # auto_flush=False, which the collector does not have; from a newcomer's trial).
+    with pytest.raises(CollectorError, match=r"complete but not flushed \(their auto-flush "
+                       r"failed: the error it raised says why\)"):
+        c.end()
 
     cut = dataclasses.replace(short, episode_overflow="truncate")
     _, items = run(cut, steps=1)
