@@ -44,7 +44,10 @@ from jaxtraj.types import Trajectory, TrajectoryKey
 
 @struct.dataclass
 class MicroBatches:
-    """Samples of one epoch packed per Actor rank: every leaf ``[R, MB, M, ...]``.
+    """Samples of one epoch packed per Actor rank: every leaf ``[R, MB, M, ...]`` as the
+    mode makes them; the collector hands each Actor rank its own, without the ``R`` axis
+    (queue ``"actor_<r>"``: leaves ``[MB, M, ...]``, ``step_id`` and ``epoch_id`` scalars,
+    ``episodes`` ``[S, T, B, K]``), and ``stack_ranks`` puts the axis back.
 
     A sample is one chunk of one environment. ``prev_values`` is ``V(s_t)``;
     ``advantages`` are normalised when the plan says so; ``loss_mask`` is false on
@@ -55,7 +58,8 @@ class MicroBatches:
     ``extras`` holds the per-chunk fields a plan's ``trajectory_type`` adds (leaves
     ``[E, T, B, ...]`` in the trajectory), packed alike. ``episodes`` are the episodes
     that ended in the epoch, every source (:class:`jaxtraj.EpisodeStats`, leaves
-    ``[R, S, T, B, K]``: every rank's item holds them all, so log one rank's).
+    ``[R, S, T, B, K]``: every rank's item holds them all, so log one rank's: a
+    ``stack_ranks`` of several ranks' items lists each episode once per rank).
     """
 
     obs: Any

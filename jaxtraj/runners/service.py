@@ -461,7 +461,8 @@ def stack_ranks(items: list[tuple[str, Any]]) -> Any:
 
     Targets are computed rank by rank (``jax.vmap`` over the new axis, as above);
     ``batch.episodes.to_list()`` lists every item's episodes, each with its index in the
-    stack (``item``).
+    stack (``item``). In pipeline mode every Actor rank's item holds all the epoch's
+    episodes: read one rank's (``item == 0``), not all.
 
     Raises:
       ValueError: the items mix training steps, or their structures differ.
