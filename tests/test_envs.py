@@ -333,7 +333,9 @@ def test_spec_and_example_parts_build_a_collector(gym):
     env.check_against((pol, envp))
     with pytest.raises(ValueError, match="batch_size"):
         example_parts(env, TrajectoryPlan(num_chunks=2, batch_size=3), out)
-    with pytest.raises(ValueError, match=r"actions: env takes \(2, 4, 3\)"):
+    with pytest.raises(ValueError, match=r"actions: env takes \(2, 4, 3\).*the example policy "
+                       r"output \(example_parts', or the collector's\) has \(2, 12\) float32: "
+                       r"reshape the policy's actions to \[N, 4, 3\]"):
         example_parts(env, plan, out.replace(actions=jax.ShapeDtypeStruct((2, 12), np.float32)))
     env.close()
 

@@ -174,9 +174,13 @@ def _check_actions(spec: EnvSpec, actions: Any) -> None:
     want = spec.actions
     if tuple(np.shape(actions)) != tuple(want.shape):
         B, K = want.shape[:2]
+        flat = int(np.prod(np.shape(actions))) == int(np.prod(want.shape))
         raise ValueError(
             f"actions: env takes {tuple(want.shape)} (B={B} envs, a chunk of K={K} actions "
-            f"of {tuple(want.shape[2:])}), the collector's example has {_describe(actions)}"
+            f"of {tuple(want.shape[2:])}), the example policy output (example_parts', or "
+            f"the collector's) has {_describe(actions)}"
+            + (f": reshape the policy's actions to [N, {', '.join(map(str, want.shape[1:]))}]"
+               if flat else "")
         )
 
 

@@ -80,8 +80,9 @@ class RunnerError(RuntimeError):
         self.undelivered, self.what = list(undelivered), what
         # A terminal's colour codes (Ray's errors carry them) are not part of the message.
         said = _COLOUR.sub("", str(cause))
-        where = f"on {what}" if what is not None else f"at key {key}"
-        msg = f"{worker} failed {where}: {type(cause).__name__}: {said}"
+        where = (f" on {what}" if what is not None else "" if key is None else
+                 f" at key {key}")  # no key: before or between chunks (an env being built)
+        msg = f"{worker} failed{where}: {type(cause).__name__}: {said}"
         if self.undelivered:
             msg += (f" ({len(self.undelivered)} flushed item(s) not delivered: on this "
                     "error's `undelivered`)")
