@@ -573,8 +573,31 @@ def test_the_items_a_failed_run_would_have_returned_are_on_the_error(cls, worker
     assert err.worker == "env_worker_1" and err.key == last
     (queue_key, item), = err.undelivered
     assert queue_key == "default" and int(item.env_rank) == 0 and int(item.step_id) == 0
-    assert err.delivered == 0
+    assert err.delivered == 0 and runner.delivered == 0 and len(runner.undelivered) == 1
     assert "1 flushed item(s) not delivered" in str(err)
     assert (last, "env", B) in collector.missing()  # the failed chunk's half only
     if cls is AsyncRunner:  # the same trajectory as a run that succeeds
         assert_same(item, sync_reference(1)[(0, 0)])
+
+
+class LateInterrupt(LateFailure):
+    def step(self, key, actions):
+        if key.as_tuple() == self.fail_at:
+            time.sleep(self.wait_s)
+            raise KeyboardInterrupt
+        return super().step(key, actions)
+
+
+@pytest.mark.parametrize("workers", ["thread", "process"])
+def test_the_items_an_interrupted_run_would_have_returned_are_on_the_runner(workers):
+    """A KeyboardInterrupt is re-raised as it is: rank 0's flushed step is on the runner's
+    undelivered (from a review: it was only in the runner's private consumer)."""
+    last = (0, E - 1, 1, 0, T - 1)
+    envs = [functools.partial(PointEnv, 0),
+            functools.partial(LateInterrupt, 1, fail_at=last, wait_s=1.0)]
+    with AsyncRunner(make_collector(), envs, policy_fn, PARAMS, env_workers=workers) as runner:
+        with pytest.raises(KeyboardInterrupt):
+            runner.run()
+    (queue_key, item), = runner.undelivered
+    assert queue_key == "default" and int(item.env_rank) == 0 and runner.delivered == 0
+    assert_same(item, sync_reference(1)[(0, 0)])

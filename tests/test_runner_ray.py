@@ -421,6 +421,7 @@ def test_the_items_a_failed_run_would_have_returned_are_on_the_error(
             runner.run()
     err = info.value
     assert err.worker == "env_worker_1" and err.key == fail and err.delivered == 0
+    assert runner.delivered == 0 and len(runner.undelivered) == 1
     (queue_key, item), = err.undelivered
     assert queue_key == "default"
     assert_same(item, reference[(0, 0)])

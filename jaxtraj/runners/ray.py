@@ -807,8 +807,16 @@ class RayRunner:
 
     @property
     def delivered(self) -> int:
-        """How many flushed items the last :meth:`run` delivered."""
+        """How many flushed items the last :meth:`run` delivered (returned, or given to
+        ``on_flush`` / ``output_queue``; after a failure, those given to them)."""
         return self._consumer.delivered
+
+    @property
+    def undelivered(self) -> list[tuple[str, Any]]:
+        """The last run's flushed items not handed over, after it failed or was
+        interrupted (``KeyboardInterrupt``): as :class:`RunnerError`'s ``undelivered``,
+        out of the collector, so only there."""
+        return list(self._consumer.undelivered)
 
     def update_policy(self, params: Any) -> int:
         """Swap in new parameters (thread-safe, also during :meth:`run`); returns the new
@@ -1069,11 +1077,11 @@ class RayRunner:
                     self._catch_up_quietly()
             finally:  # the actors shut down even if an on_flush interrupts the drain too
                 self.close()
+                # With what the drain could not deliver, the items run() would have
+                # returned (flushed: out of the collector), on the error and the runner.
+                delivered, unhanded = consumer.failed_run()
             if isinstance(exc, KeyboardInterrupt):
                 raise
-            # With what the drain could not deliver, and the items run() would have
-            # returned (flushed: out of the collector).
-            delivered, unhanded = consumer.failed_run()
             if isinstance(exc, RunnerError):
                 raise RunnerError(exc.worker, exc.key, exc.cause, delivered, unhanded,
                                   exc.what) from exc.cause

@@ -908,11 +908,16 @@ class Consumer:
                     continue
 
     def failed_run(self) -> tuple[int, list[tuple[str, Any]]]:
-        """A failed run's hand-over: ``(items delivered, the items flushed and not
-        handed over)``, the latter in flush order: those kept for ``run()``'s return
-        (which it does not make), then those not delivered (on :class:`RunnerError`'s
-        ``undelivered``: out of the collector, so only there)."""
-        return self.delivered - len(self.kept), self.kept + self.undelivered
+        """A failed (or interrupted) run's hand-over: ``(items delivered, the items
+        flushed and not handed over)``, the latter in flush order: those kept for
+        ``run()``'s return (which it does not make; they move to :attr:`undelivered`),
+        then those not delivered (on :class:`RunnerError`'s ``undelivered``, and the
+        runner's: out of the collector, so only there)."""
+        if self.kept:
+            self.delivered -= len(self.kept)
+            self.undelivered = self.kept + self.undelivered
+            self.kept = []
+        return self.delivered, list(self.undelivered)
 
     def deliver(self, item: tuple[str, Any]) -> None:
         if self.on_flush is not None:

@@ -31,8 +31,9 @@ published by healthy workers into the collector (their flushes are delivered), j
 every thread, and raises :class:`RunnerError` naming the worker and the key it was
 working on. What was collected stays in the collector (``collector.missing()`` lists
 what the interrupted step still waits for), or, flushed (the items ``run`` would have
-returned, or not delivered), on the error's ``undelivered``. A ``KeyboardInterrupt`` in ``run`` stops
-the workers the same way and is re-raised.
+returned, or not delivered), on the error's ``undelivered``. A ``KeyboardInterrupt`` in
+``run`` stops the workers the same way and is re-raised; the flushed items it left are on
+the runner's ``undelivered``.
 
 The policy worker batches: one ``policy_fn`` call serves every env rank whose
 observation is ready (up to ``max_batch``, after a bounded wait ``batch_wait_s``), on
@@ -342,8 +343,16 @@ class AsyncRunner:
 
     @property
     def delivered(self) -> int:
-        """How many flushed items the last :meth:`run` delivered."""
+        """How many flushed items the last :meth:`run` delivered (returned, or given to
+        ``on_flush`` / ``output_queue``; after a failure, those given to them)."""
         return self._consumer.delivered
+
+    @property
+    def undelivered(self) -> list[tuple[str, Any]]:
+        """The last run's flushed items not handed over, after it failed or was
+        interrupted (``KeyboardInterrupt``): as :class:`RunnerError`'s ``undelivered``,
+        out of the collector, so only there."""
+        return list(self._consumer.undelivered)
 
     @property
     def version(self) -> int:
@@ -498,10 +507,12 @@ class AsyncRunner:
         if self._failure is not None:
             worker, key, exc = self._failure
             self._broken = f"{worker} at key {key}: {type(exc).__name__}"  # before the drain:
-            self._drain()  # a KeyboardInterrupt in it leaves the runner marked broken
+            try:
+                self._drain()  # a KeyboardInterrupt in it leaves the runner marked broken
+            finally:  # run()'s items go on the error (and the runner's undelivered)
+                delivered, unhanded = consumer.failed_run()
             if isinstance(exc, KeyboardInterrupt):
                 raise exc
-            delivered, unhanded = consumer.failed_run()  # run()'s items go on the error
             raise RunnerError(worker, key, exc, delivered, unhanded, self._failed_on) from exc
         self.step_id += n
         return rank_order(consumer.kept)
