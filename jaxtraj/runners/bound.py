@@ -58,10 +58,10 @@ def checked_env(env: Any, name: str, built: bool = False) -> Any:
     observation, naming neither)."""
     missing = [m for m in ("reset", "step") if not callable(getattr(env, m, None))]
     if missing:
-        got = "was given" if built else "the env factory returned"
+        got, fix = ("was given", "give") if built else ("the env factory returned", "return")
         raise TypeError(
             f"{name}: {got} {type(env).__name__}, not an environment "
-            f"(it has no {' or '.join(missing)}()): return an env such as "
+            f"(it has no {' or '.join(missing)}()): {fix} an env such as "
             "jaxtraj.envs.GymnasiumEnv(...)"
         )
     origins = {c.__module__.split(".")[0] for c in type(env).__mro__}
@@ -72,9 +72,9 @@ def checked_env(env: Any, name: str, built: bool = False) -> Any:
         adapter = "EnvPoolEnv" if library == "envpool" else "GymnasiumEnv"
         raise TypeError(
             f"{name}: got {_LIBRARIES[library]} env ({type(env).__name__}), whose "
-            "step(action) steps "
-            f"once: wrap it in jaxtraj.envs.{adapter}(..., actions_per_chunk=K) (or build "
-            f"it with jaxtraj.envs.{adapter}.make(...)), which steps K actions a chunk"
+            f"step(action) steps once: wrap it in jaxtraj.envs.{adapter}(..., "
+            f"actions_per_chunk=K) (or build it with jaxtraj.envs.{adapter}.make(...)), "
+            "which steps K actions a chunk"
         )
     return env
 

@@ -530,10 +530,10 @@ def checked_policy_output(
     a row for each of the ``rows`` it was given on every field (a call's rows: its ranks'
     ``B`` each, padded to ``max_batch * B``), actions of the layout's shape a row (where
     ``per_row``, :func:`action_rows`' ``(shape, K)``, is given) and, with ``finite``
-    (the plan's ``nonfinite="reject"``), finite actions: a ``TypeError`` / ``ValueError`` saying what
-    it returned, before its rows are split among the ranks (whose checks could only name
-    one rank's slice) and before an env steps a NaN (whose rewards would then be refused,
-    blaming the env)."""
+    (the plan's ``nonfinite="reject"``), finite actions: a ``TypeError`` /
+    ``ValueError`` saying what it returned, before its rows are split among the ranks
+    (whose checks could only name one rank's slice) and before an env steps a NaN (whose
+    rewards would then be refused, blaming the env)."""
     if not isinstance(output, PolicyOutput):
         raise TypeError(
             f"policy_fn returned a {type(output).__name__}: it must return a "

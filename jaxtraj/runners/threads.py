@@ -392,8 +392,8 @@ class AsyncRunner:
           RunnerError: a worker (or the collector, on a rejected part) failed; all
             threads are stopped and joined first. What was collected stays in the
             collector, or, flushed, on the error's ``undelivered`` (the items this call
-            would have returned). The runner cannot run again after it (its environments are
-            mid-step): a later call raises ``RuntimeError`` saying so.
+            would have returned). The runner cannot run again after it (its environments
+            are mid-step): a later call raises ``RuntimeError`` saying so.
         """
         n = self.num_steps if num_steps is None else checked_num_steps(num_steps)
         with self._one_run:
